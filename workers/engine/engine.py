@@ -1,0 +1,135 @@
+"""An engine: a loaded model, its tokenizer, and a slot KV cache.
+
+`Engine.forward` is the only way tokens reach the model. Each `SlotInput`
+describes one slot's uncommitted region as a tree (parents, -1 = child of the
+committed prefix) and feeds its last T tokens; positions and the attention
+mask are derived from the tree, so prefill (a chain), decode (one token),
+tree verification and level-by-level draft expansion are the same call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from workers.engine.kv_cache import SlotKVCache
+from workers.engine.llama import ForwardBatch, NativeLlama
+from workers.spec.tree import depths, tree_mask
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to load and size one model engine."""
+
+    model: str = "smollm2-135m-instruct"  # alias, local directory, .gguf file or HF id
+    device: str = "cpu"  # torch device; "cuda" where a GPU build of torch is installed
+    dtype: str = "float32"  # one of DTYPES
+    max_sessions: int = 8  # KV slots, i.e. sessions held at once
+    max_seq_len: int = 2048  # cache positions per slot (capped at the model's context)
+    cache_dir: Path | None = None  # model cache; None = $SPECSPLIT_MODEL_CACHE or ~/.cache
+
+
+@dataclass(frozen=True)
+class SlotInput:
+    """One slot's share of a forward."""
+
+    slot: int
+    prefix_len: int  # committed cache entries, all visible to the new tokens
+    parents: list[int]  # (U,) the uncommitted region as a tree; -1 = child of the prefix
+    tokens: list[int]  # (T,) the region's last T tokens, fed now; the rest is cached
+    logits_for: int = 1  # how many trailing tokens need logits
+
+
+@dataclass
+class Engine:
+    model: NativeLlama
+    tokenizer: object
+    cache: SlotKVCache
+    model_id: str
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> Engine:
+        from transformers import AutoModelForCausalLM
+
+        from workers.engine.loader import load_tokenizer, resolve_model
+
+        path = resolve_model(config.model, config.cache_dir)
+        dtype = DTYPES[config.dtype]
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(config.device).eval()
+        return cls.from_hf(hf, load_tokenizer(path), config, model_id=config.model)
+
+    @classmethod
+    def from_hf(cls, hf_model, tokenizer, config: EngineConfig, model_id: str) -> Engine:
+        model = NativeLlama(hf_model).eval()
+        shape = model.shape
+        cache = SlotKVCache(
+            num_layers=shape.num_layers,
+            num_slots=config.max_sessions,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            max_seq_len=min(config.max_seq_len, shape.max_positions),
+            dtype=next(hf_model.parameters()).dtype,
+            device=config.device,
+        )
+        return cls(model, tokenizer, cache, model_id, torch.device(config.device))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.shape.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self.cache.max_seq_len
+
+    @property
+    def num_slots(self) -> int:
+        return self.cache.num_slots
+
+    @torch.inference_mode()
+    def forward(self, rows: list[SlotInput]) -> list[torch.Tensor]:
+        """Runs one forward over several slots; returns logits (logits_for_b, V) per row."""
+        batch = self.batch(rows)
+        hidden = self.model.hidden(self.cache, batch)  # (B, T, E)
+        picked = torch.cat(
+            [hidden[b, len(r.tokens) - r.logits_for : len(r.tokens)] for b, r in enumerate(rows)]
+        )  # (sum logits_for, E)
+        logits = self.model.logits(picked)  # (sum logits_for, V)
+        return list(logits.split([r.logits_for for r in rows]))
+
+    def batch(self, rows: list[SlotInput]) -> ForwardBatch:
+        t = max(len(r.tokens) for r in rows)
+        width = max(r.prefix_len + len(r.parents) for r in rows)  # L
+        if width > self.cache.max_seq_len:
+            raise ValueError(
+                f"sequence of {width} tokens exceeds the cache ({self.context_length} tokens)"
+            )
+        tokens = torch.zeros(len(rows), t, dtype=torch.long)  # (B, T)
+        positions = torch.zeros(len(rows), t, dtype=torch.long)  # (B, T)
+        mask = torch.zeros(len(rows), t, width, dtype=torch.bool)  # (B, T, L)
+        mask[:, :, 0] = True  # padding rows see one entry, so softmax stays finite
+        for b, r in enumerate(rows):
+            n, u = len(r.tokens), len(r.parents)
+            parents = torch.tensor(r.parents, dtype=torch.long)  # (U,)
+            tokens[b, :n] = torch.tensor(r.tokens, dtype=torch.long)
+            positions[b, :n] = r.prefix_len + depths(parents)[u - n :] - 1
+            mask[b, :n, : r.prefix_len] = True
+            mask[b, :n, r.prefix_len : r.prefix_len + u] = tree_mask(parents)[u - n :]
+        return ForwardBatch(
+            slots=torch.tensor([r.slot for r in rows], dtype=torch.long, device=self.device),
+            tokens=tokens.to(self.device),
+            positions=positions.to(self.device),
+            write_at=torch.tensor(
+                [r.prefix_len + len(r.parents) - len(r.tokens) for r in rows], device=self.device
+            ),
+            mask=mask.to(self.device),
+            lengths=[len(r.tokens) for r in rows],
+        )
+
+    def commit(self, slot: int, prefix_len: int, keep: list[int]) -> None:
+        """Keeps uncommitted entries `keep` (region offsets, increasing) after the prefix."""
+        self.cache.commit(slot, prefix_len, keep)

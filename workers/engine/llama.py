@@ -1,0 +1,194 @@
+"""A native forward pass for the Llama family over a slot-based KV cache.
+
+Llama 2/3, Qwen2/2.5, Mistral and SmolLM share one block: RMSNorm, rotary
+position embeddings (with any scaling variant transformers knows), grouped-query
+attention, a SwiGLU MLP, optionally tied embeddings and q/k/v biases. The
+weights are the ones of the transformers model (its `nn.Linear` modules are
+reused as they are); the forward is ours, so that one call can take new tokens
+for several sessions, each at its own positions, behind its own committed
+prefix, and under its own tree attention mask.
+
+Shapes: B slots in a batch, T new tokens per slot (padded), L keys visible
+(committed prefix + uncommitted region), H query heads, Hkv key/value heads,
+D head size, E hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from workers.engine.kv_cache import SlotKVCache
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The model is outside the Llama family this engine implements natively."""
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The numbers of a Llama-family model that the forward pass needs."""
+
+    vocab_size: int  # V
+    hidden_size: int  # E
+    num_layers: int
+    num_heads: int  # H
+    num_kv_heads: int  # Hkv
+    head_dim: int  # D
+    rms_norm_eps: float
+    max_positions: int  # the model's context length
+
+    @classmethod
+    def from_config(cls, config) -> LlamaShape:
+        if config.model_type not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitectureError(
+                f"architecture {config.model_type!r} is not in the native Llama family "
+                f"({', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            max_positions=config.max_position_embeddings,
+        )
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """New tokens of B slots for one forward, padded to T.
+
+    Each slot has a committed prefix (visible to every new token) followed by
+    an uncommitted region of U tokens laid out as a tree; this forward feeds the
+    last T_b tokens of that region (the first U - T_b are already cached).
+    """
+
+    slots: torch.Tensor  # (B,) long: the cache slot of each row
+    tokens: torch.Tensor  # (B, T) long: new tokens, padding arbitrary
+    positions: torch.Tensor  # (B, T) long: RoPE positions
+    write_at: torch.Tensor  # (B,) long: cache index of each row's first new token
+    mask: torch.Tensor  # (B, T, L) bool: which cache entries each new token sees
+    lengths: list[int]  # T_b: real (unpadded) new tokens per row
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: (..., E) -> (..., E), computed in float32 as the reference does
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    # x: (..., D) -> (..., D): (x1, x2) -> (-x2, x1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for explicit positions, with transformers' RoPE variants."""
+
+    def __init__(self, config):
+        super().__init__()
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "default":
+            shape = LlamaShape.from_config(config)
+            theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            steps = torch.arange(0, shape.head_dim, 2, dtype=torch.float) / shape.head_dim
+            inv_freq, scaling = 1.0 / (theta**steps), 1.0
+        else:
+            init: Callable = ROPE_INIT_FUNCTIONS[rope_type]
+            inv_freq, scaling = init(config)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)  # (D/2,)
+        self.scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        # positions: (B, T) -> cos, sin: (B, 1, T, D)
+        freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
+        cos = (emb.cos() * self.scaling).to(dtype)[:, None]
+        sin = (emb.sin() * self.scaling).to(dtype)[:, None]
+        return cos, sin
+
+
+class Block(nn.Module):
+    """One decoder layer over the weights of a transformers decoder layer."""
+
+    def __init__(self, hf_layer, shape: LlamaShape, index: int):
+        super().__init__()
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.q_proj, self.k_proj = attn.q_proj, attn.k_proj
+        self.v_proj, self.o_proj = attn.v_proj, attn.o_proj
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.norm_attn = hf_layer.input_layernorm.weight
+        self.norm_mlp = hf_layer.post_attention_layernorm.weight
+        self.shape = shape
+        self.index = index
+
+    def attention(self, x, cos, sin, cache: SlotKVCache, batch: ForwardBatch):
+        s = self.shape
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, s.num_heads, s.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        keys, values = cache.write_and_read(self.index, batch, k, v)  # (B, Hkv, L, D) each
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=batch.mask[:, None], enable_gqa=True
+        )  # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, s.num_heads * s.head_dim))
+
+    def forward(self, x, cos, sin, cache: SlotKVCache, batch: ForwardBatch):
+        # x: (B, T, E) -> (B, T, E)
+        eps = self.shape.rms_norm_eps
+        x = x + self.attention(rms_norm(x, self.norm_attn, eps), cos, sin, cache, batch)
+        h = rms_norm(x, self.norm_mlp, eps)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class NativeLlama(nn.Module):
+    """The Llama-family forward over a `SlotKVCache`, sharing the weights of `hf_model`."""
+
+    def __init__(self, hf_model):
+        super().__init__()
+        config = hf_model.config
+        self.shape = LlamaShape.from_config(config)
+        if getattr(config, "use_sliding_window", False) and config.sliding_window:
+            raise UnsupportedArchitectureError(
+                "sliding-window attention is not implemented natively; "
+                "serve this model with a context no longer than its window"
+            )
+        body = hf_model.model
+        self.embed = body.embed_tokens
+        self.blocks = nn.ModuleList(
+            Block(layer, self.shape, i) for i, layer in enumerate(body.layers)
+        )
+        self.norm = body.norm.weight
+        self.lm_head = hf_model.lm_head
+        self.rotary = Rotary(config)
+
+    def hidden(self, cache: SlotKVCache, batch: ForwardBatch) -> torch.Tensor:
+        """Writes the new tokens' keys/values into the cache; returns final hidden (B, T, E)."""
+        x = self.embed(batch.tokens)  # (B, T, E)
+        cos, sin = self.rotary(batch.positions, x.dtype)  # (B, 1, T, D) each
+        for block in self.blocks:
+            x = block(x, cos, sin, cache, batch)
+        return rms_norm(x, self.norm, self.shape.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: (..., E) -> (..., V) in float32
+        return self.lm_head(hidden).float()
