@@ -1,0 +1,227 @@
+"""The draft side of speculation: propose token trees for many sessions at once.
+
+Two drafters share one interface, `propose(calls) -> [TokenTree | Exception]`:
+
+- `ModelDrafter` expands a tree with a small model, level by level, one
+  forward per level for all sessions in the batch. The nodes it fed stay in
+  its KV cache; next round, the part of them that the target accepted is kept
+  (compacted) and the rest is overwritten.
+- `NgramDrafter` is model-free prompt lookup: a tree from earlier matches of
+  the history's suffix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.engine.engine import Engine, SlotInput
+from workers.engine.sessions import Session, SessionTable
+from workers.spec.ngram import ngram_tree
+from workers.spec.policy import (
+    DynamicTreePolicy,
+    StaticTreePolicy,
+    TreeBuilder,
+    TreePolicy,
+    choose_children,
+)
+from workers.spec.sampling import SamplingParams
+from workers.spec.tree import TokenTree
+from workers.target.runner import check_tokens, round_generator
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """How big a tree to propose."""
+
+    depth: int = 6  # most levels below the root
+    branching: int = 2  # children per expanded node; 1 = a chain
+    budget: int = 16  # most nodes in the tree
+    temperature: float = 0.0  # 0: deterministic top-k children; > 0: sampled children
+    seed: int | None = None  # makes sampled trees reproducible
+
+    def __post_init__(self):
+        if self.depth < 0 or self.branching < 1 or self.budget < 0:
+            raise ValueError(
+                f"tree depth {self.depth}, branching {self.branching} and budget "
+                f"{self.budget} must be >= 0, >= 1 and >= 0"
+            )
+
+    def policy(self) -> TreePolicy:
+        if self.branching == 1:
+            return StaticTreePolicy.chain(self.depth)
+        return DynamicTreePolicy(self.depth, self.branching, self.budget)
+
+    @property
+    def params(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, seed=self.seed)
+
+
+@dataclass(frozen=True)
+class ProposeCall:
+    session_id: str
+    base_len: int  # history length the caller believes the worker holds (0 = start over)
+    tokens: list[int]  # committed since then, or the full history when base_len == 0
+    spec: TreeSpec
+
+
+@dataclass
+class Expansion:
+    """One session's tree while it is being drafted."""
+
+    call: ProposeCall
+    session: Session
+    policy: TreePolicy
+    generator: torch.Generator | None
+    builder: TreeBuilder = field(default_factory=TreeBuilder)
+    region_of: dict[int, int] = field(default_factory=dict)  # builder node -> region offset
+    parent_of: dict[int, int] = field(default_factory=dict)  # builder node -> its parent
+    plan: dict[int, int] = field(default_factory=dict)  # node to expand -> children
+
+
+def absorb(engine: Engine, session: Session) -> None:
+    """Keeps the cached part of last round's region that lies on the committed path."""
+    keep: list[int] = []
+    node = -1
+    fed_children: dict[int, list[int]] = {}
+    for i in range(session.region_fed):
+        fed_children.setdefault(session.region_parents[i], []).append(i)
+    for token in session.pending:
+        match = [c for c in fed_children.get(node, []) if session.region_tokens[c] == token]
+        if not match:
+            break
+        node = match[0]
+        keep.append(node)
+    if keep:
+        engine.commit(session.slot, session.cached, keep)
+        session.cached += len(keep)
+    session.region_tokens, session.region_parents, session.region_fed = [], [], 0
+
+
+class ModelDrafter:
+    def __init__(self, engine: Engine, table: SessionTable):
+        self.engine = engine
+        self.table = table
+
+    def start(self, call: ProposeCall, busy: set[str]) -> Expansion | None:
+        """Syncs the session; returns its expansion, or None when no tree is wanted."""
+        check_tokens(call.tokens, self.engine.vocab_size)
+        session = self.table.sync(call.session_id, call.base_len, call.tokens, busy).session
+        absorb(self.engine, session)
+        if session.cached == len(session.committed):  # the root must be fed for its logits
+            session.cached -= 1
+        spec = call.spec
+        depth = min(spec.depth, self.engine.context_length - len(session.committed) - 1)
+        if depth <= 0 or spec.budget == 0:
+            return None
+        policy = TreeSpec(depth, spec.branching, spec.budget).policy()
+        generator = round_generator(spec.params, len(session.committed))
+        session.region_tokens = list(session.pending)
+        session.region_parents = list(range(-1, len(session.pending) - 1))
+        expansion = Expansion(call, session, policy, generator)
+        expansion.plan = policy.expand_plan(expansion.builder, 0)
+        return expansion
+
+    def propose(self, calls: list[ProposeCall]) -> list[TokenTree | Exception]:
+        results: list[TokenTree | Exception | None] = [None] * len(calls)
+        busy = {c.session_id for c in calls}
+        active: list[tuple[int, Expansion]] = []
+        for i, call in enumerate(calls):
+            try:
+                expansion = self.start(call, busy)
+                if expansion is None:
+                    results[i] = TokenTree.empty()
+                else:
+                    active.append((i, expansion))
+            except Exception as error:  # noqa: BLE001 - returned to that caller only
+                results[i] = error
+        level = 0
+        while active:
+            rows = [self.row(x) for _, x in active]
+            logits = self.engine.forward(rows)
+            still = []
+            for (i, x), out in zip(active, logits, strict=True):
+                x.session.region_fed = len(x.session.region_tokens)
+                self.grow(x, out)
+                x.plan = (
+                    {}
+                    if level + 1 >= x.policy.depth
+                    else x.policy.expand_plan(x.builder, level + 1)
+                )
+                if x.plan and any(x.plan.values()):
+                    still.append((i, x))
+                else:
+                    results[i] = x.policy.build(x.builder) if len(x.builder) else TokenTree.empty()
+            active, level = still, level + 1
+        return results  # type: ignore[return-value]
+
+    def row(self, x: Expansion) -> SlotInput:
+        """Feeds the nodes to expand (the pending tokens at level 0)."""
+        session = x.session
+        if -1 not in x.plan:  # level >= 1: append the nodes to expand to the region
+            for node in x.plan:
+                parent = x.parent_of[node]
+                x.region_of[node] = len(session.region_tokens)
+                session.region_tokens.append(x.builder.token(node))
+                session.region_parents.append(
+                    len(session.pending) - 1 if parent < 0 else x.region_of[parent]
+                )
+        fed = session.region_tokens[session.region_fed :]
+        return SlotInput(
+            session.slot,
+            session.cached,
+            list(session.region_parents),
+            fed,
+            logits_for=len(x.plan) if -1 not in x.plan else 1,
+        )
+
+    def grow(self, x: Expansion, logits: torch.Tensor) -> None:
+        # logits: (len(plan), V), one row per node to expand, in plan order
+        params = x.call.spec.params
+        for (node, k), row in zip(x.plan.items(), logits, strict=True):
+            if k == 0:
+                continue
+            temperature = params.temperature if not params.greedy else 1.0
+            probs = torch.softmax(row.float() / temperature, dim=-1)  # (V,)
+            tokens, q_tokens, q_probs, logps = choose_children(probs, k, params, x.generator)
+            for j in range(len(tokens)):
+                child = x.builder.add(
+                    node,
+                    int(tokens[j]),
+                    float(logps[j]),
+                    None if q_tokens is None else q_tokens[j],
+                    None if q_probs is None else q_probs[j],
+                )
+                x.parent_of[child] = node
+
+    def end(self, session_id: str) -> bool:
+        return self.table.end(session_id)
+
+
+class NgramDrafter:
+    """Prompt lookup over each session's history; needs no model and no KV."""
+
+    def __init__(self, table: SessionTable, vocab_size: int | None = None):
+        self.table = table
+        self.vocab_size = vocab_size
+
+    def propose(self, calls: list[ProposeCall]) -> list[TokenTree | Exception]:
+        results: list[TokenTree | Exception] = []
+        for call in calls:
+            try:
+                if self.vocab_size is not None:
+                    check_tokens(call.tokens, self.vocab_size)
+                synced = self.table.sync(call.session_id, call.base_len, call.tokens)
+                spec = call.spec
+                if spec.depth == 0 or spec.budget == 0:
+                    results.append(TokenTree.empty())
+                else:
+                    history = synced.session.committed
+                    results.append(ngram_tree(history, depth=spec.depth, budget=spec.budget))
+            except Exception as error:  # noqa: BLE001 - returned to that caller only
+                results.append(error)
+        return results
+
+    def end(self, session_id: str) -> bool:
+        return self.table.end(session_id)

@@ -1,0 +1,143 @@
+"""Sessions of a worker: which KV slot holds which session, and how far it is.
+
+The gateway owns every session's truth (its token history); a worker keeps a
+cache of it. Each call names the session, the length of history the caller
+believes the worker has (`base_len`) and the tokens committed since. A call
+with `base_len == 0` (re)starts the session from the full history, reusing
+the cached prefix it shares with what the slot held. Anything else that does
+not line up — an unknown, evicted or out-of-sync session — raises
+`SessionNotFound`, and the caller re-sends the history.
+
+Slots are reclaimed by `end`, by `reap_idle` after an idle timeout, and by
+least-recently-used eviction when a new session needs a slot.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class SessionNotFound(KeyError):
+    """Unknown, evicted or out-of-sync session: re-send the full history."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "session not found"
+
+
+class CapacityExhausted(RuntimeError):
+    """Every slot is held by a session that is busy in the current batch."""
+
+
+@dataclass
+class Session:
+    id: str
+    slot: int
+    committed: list[int] = field(default_factory=list)  # tokens the session has committed
+    cached: int = 0  # how many of `committed` sit in the slot's KV cache
+    region_tokens: list[int] = field(default_factory=list)  # uncommitted region cached last call
+    region_parents: list[int] = field(default_factory=list)  # its tree (-1 = after `cached`)
+    region_fed: int = 0  # how many region tokens have keys/values in the cache
+    last_used: float = 0.0
+
+    @property
+    def pending(self) -> list[int]:
+        """Committed tokens whose keys/values are not cached yet."""
+        return self.committed[self.cached :]
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    session: Session
+    prefix_hit: int  # cached tokens reused when a session (re)started from a full history
+
+
+class SessionTable:
+    def __init__(
+        self, num_slots: int, idle_timeout_s: float = 600.0, clock: Callable = time.monotonic
+    ):
+        self.num_slots = num_slots
+        self.idle_timeout_s = idle_timeout_s
+        self.clock = clock
+        self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self.free = list(range(num_slots))
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def get(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"session {session_id!r} is not held by this worker")
+        return session
+
+    def sync(
+        self, session_id: str, base_len: int, tokens: list[int], busy: set[str] = frozenset()
+    ) -> SyncResult:
+        """Brings a session up to `base_len` + `tokens`; see the module docstring."""
+        if base_len == 0:
+            return self.restart(session_id, tokens, busy)
+        session = self.get(session_id)
+        if len(session.committed) != base_len:
+            raise SessionNotFound(
+                f"session {session_id!r} holds {len(session.committed)} tokens, "
+                f"the caller expected {base_len}"
+            )
+        session.committed.extend(tokens)
+        self.touch(session)
+        return SyncResult(session, 0)
+
+    def restart(self, session_id: str, history: list[int], busy: set[str]) -> SyncResult:
+        if not history:
+            raise ValueError("a session cannot start from an empty history")
+        session = self.sessions.get(session_id)
+        if session is None:
+            session = Session(session_id, self.allocate(busy))
+            self.sessions[session_id] = session
+        hit = common_prefix(session.committed[: session.cached], history)
+        hit = min(hit, len(history) - 1)  # the last token is fed again for its logits
+        session.committed, session.cached = list(history), hit
+        session.region_tokens, session.region_parents, session.region_fed = [], [], 0
+        self.touch(session)
+        return SyncResult(session, hit)
+
+    def allocate(self, busy: set[str]) -> int:
+        if self.free:
+            return self.free.pop(0)
+        for victim in self.sessions.values():
+            if victim.id not in busy:
+                self.end(victim.id)
+                self.evictions += 1
+                return self.free.pop(0)
+        raise CapacityExhausted(f"all {self.num_slots} session slots are busy")
+
+    def touch(self, session: Session) -> None:
+        session.last_used = self.clock()
+        self.sessions.move_to_end(session.id)
+
+    def end(self, session_id: str) -> bool:
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return False
+        self.free.append(session.slot)
+        return True
+
+    def reap_idle(self) -> list[str]:
+        """Ends sessions idle for longer than the timeout; returns their ids."""
+        limit = self.clock() - self.idle_timeout_s
+        idle = [s.id for s in self.sessions.values() if s.last_used < limit]
+        for session_id in idle:
+            self.end(session_id)
+        return idle
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,156 @@
+"""The target side of speculation: verify token trees for many sessions at once.
+
+One `verify` call takes the Verify requests of several sessions, feeds each
+session's pending tokens (committed, not yet cached) followed by its draft
+tree, all in one forward, and for each session keeps the accepted path in the
+KV cache and advances its history by the accepted tokens plus the bonus token.
+A request with an empty tree is a plain decode step (or a prefill when the
+session starts from its full history).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine.engine import Engine, SlotInput
+from workers.engine.sessions import Session, SessionTable
+from workers.spec.sampling import SamplingParams, make_generator
+from workers.spec.tree import TokenTree, depths, validate_tree
+from workers.spec.verify import verify
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    session_id: str
+    base_len: int  # history length the caller believes the worker holds (0 = start over)
+    tokens: list[int]  # committed since then, or the full history when base_len == 0
+    tree: TokenTree  # the draft's proposal after those tokens (may be empty)
+    params: SamplingParams
+    num_logprobs: int = -1  # -1: no logprobs; n >= 0: logprob of each emitted token + top n
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the n most likely tokens at that position
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    accepted: list[int]  # accepted node indices, root to deepest
+    emitted: list[int]  # the accepted nodes' tokens, then the bonus token
+    logprobs: list[TokenLogprob] | None  # one per emitted token, when asked
+    prefix_hit: int  # cached tokens reused when the session (re)started
+
+
+@dataclass(frozen=True)
+class Prepared:
+    call: VerifyCall
+    session: Session
+    row: SlotInput
+    prefix_hit: int
+
+
+def round_generator(params: SamplingParams, position: int) -> torch.Generator | None:
+    """A generator for one round, derived from (seed, position) so that a replayed
+    session (failover, eviction) draws the same numbers at the same place."""
+    if params.greedy:
+        return None
+    if params.seed is None:
+        return make_generator(None)
+    return make_generator((params.seed * 1_000_003 + position) % (2**63))
+
+
+def check_tokens(tokens: list[int], vocab_size: int) -> None:
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+def region(pending: list[int], tree: TokenTree) -> tuple[list[int], list[int]]:
+    """Pending tokens as a chain, then the tree hung off the last of them."""
+    p = len(pending)
+    parents = list(range(-1, p - 1)) + [p - 1 if q < 0 else p + q for q in tree.parents.tolist()]
+    return pending + tree.tokens.tolist(), parents
+
+
+class TargetRunner:
+    def __init__(self, engine: Engine, table: SessionTable, max_tree_nodes: int = 64):
+        self.engine = engine
+        self.table = table
+        self.max_tree_nodes = max_tree_nodes
+
+    def prepare(self, call: VerifyCall, busy: set[str]) -> Prepared:
+        check_tokens(call.tokens, self.engine.vocab_size)
+        validate_tree(call.tree, self.engine.vocab_size, self.max_tree_nodes)
+        synced = self.table.sync(call.session_id, call.base_len, call.tokens, busy)
+        session = synced.session
+        if session.cached == len(session.committed):  # the root must be fed for its logits
+            session.cached -= 1
+        tokens, parents = region(session.pending, call.tree)
+        deepest = (
+            len(session.pending) + int(depths(call.tree.parents).max()) if len(call.tree) else 0
+        )
+        if session.cached + max(deepest, len(session.pending)) >= self.engine.context_length:
+            raise ValueError(
+                f"session {call.session_id!r} would exceed the context of "
+                f"{self.engine.context_length} tokens"
+            )
+        row = SlotInput(session.slot, session.cached, parents, tokens, len(call.tree) + 1)
+        return Prepared(call, session, row, synced.prefix_hit)
+
+    def verify(self, calls: list[VerifyCall]) -> list[VerifyOutcome | Exception]:
+        """Verifies every call in one forward; a bad call gets its own exception."""
+        results: list[VerifyOutcome | Exception | None] = [None] * len(calls)
+        prepared: list[tuple[int, Prepared]] = []
+        busy = {c.session_id for c in calls}
+        seen: set[str] = set()
+        for i, call in enumerate(calls):
+            try:
+                if call.session_id in seen:
+                    raise ValueError(f"session {call.session_id!r} appears twice in one batch")
+                seen.add(call.session_id)
+                prepared.append((i, self.prepare(call, busy)))
+            except Exception as error:  # noqa: BLE001 - returned to that caller only
+                results[i] = error
+        if prepared:
+            logits = self.engine.forward([p.row for _, p in prepared])
+            for (i, p), rows in zip(prepared, logits, strict=True):
+                results[i] = self.finish(p, rows)
+        return results  # type: ignore[return-value]
+
+    def finish(self, p: Prepared, logits: torch.Tensor) -> VerifyOutcome:
+        # logits: (N + 1, V): row 0 after the last pending token, row i + 1 after node i
+        session, call = p.session, p.call
+        generator = round_generator(call.params, len(session.committed))
+        verdict = verify(call.tree, logits, call.params, generator)
+        pending = len(session.pending)
+        keep = list(range(pending)) + [pending + a for a in verdict.accepted]
+        self.engine.commit(session.slot, session.cached, keep)
+        emitted = [int(call.tree.tokens[a]) for a in verdict.accepted] + [verdict.bonus]
+        session.cached += len(keep)
+        session.committed.extend(emitted)
+        rows = [0] + [1 + a for a in verdict.accepted]
+        logprobs = None
+        if call.num_logprobs >= 0:
+            logprobs = token_logprobs(logits[rows], emitted, call.num_logprobs)
+        return VerifyOutcome(verdict.accepted, emitted, logprobs, p.prefix_hit)
+
+    def end(self, session_id: str) -> bool:
+        return self.table.end(session_id)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:
+    # logits: (K, V) at the parent of each emitted token; tokens: K ids
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (K, V)
+    top = logp.topk(top_n, dim=-1) if top_n > 0 else None
+    out = []
+    for k, token in enumerate(tokens):
+        alternatives = []
+        if top is not None:
+            alternatives = list(zip(top.indices[k].tolist(), top.values[k].tolist(), strict=True))
+        out.append(TokenLogprob(token, float(logp[k, token]), alternatives))
+    return out
