@@ -1,0 +1,148 @@
+"""`specsplit bench engine`: side-by-side decoding speed on one model, in one run.
+
+Runs, on the same prompts and the same machine:
+  - transformers `generate` greedy (target only),
+  - transformers prompt-lookup `generate` (`prompt_lookup_num_tokens`),
+  - SpecSplit's native engine, target only (speculation off),
+  - SpecSplit with the n-gram draft as a chain and as a tree,
+and prints tokens/s, the ratio to transformers `generate`, and the mean
+number of tokens each target forward produced. Greedy outputs are checked to
+be identical across all SpecSplit rows and transformers.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+
+import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings
+
+from workers.decoder import SpecDecoder, stop_token_ids
+from workers.draft.runner import NgramDrafter, TreeSpec
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.sessions import SessionTable
+from workers.engine.text import encode_chat
+from workers.settings import parse, settings_config
+from workers.spec.sampling import SamplingParams
+from workers.target.runner import TargetRunner
+
+TEXTS = [
+    "The old lighthouse stood at the edge of the cliff, its white paint peeling in the salt "
+    "wind. Every night the keeper climbed the hundred and twelve steps to light the lamp, and "
+    "every morning he wrote the weather in a small blue notebook that he kept by the window.",
+    "Our team meets every Monday at nine to review the open tickets. Each engineer reports "
+    "what they finished last week, what they plan for this week, and anything that blocks "
+    "them. The meeting ends when every ticket has an owner and a due date.",
+    "To bake the bread, mix the flour, water, salt and yeast in a large bowl until no dry flour "
+    "remains. Cover the bowl and let the dough rest for one hour, then fold it twice and shape "
+    "it into a round loaf before baking it in a hot oven for forty minutes.",
+]
+
+
+def grounded_prompts() -> list[str]:
+    """Input-grounded tasks: the answer mostly copies text given in the prompt."""
+    return [f"Repeat this text exactly, but replace the word 'the' with 'a':\n\n{t}" for t in TEXTS]
+
+
+class EngineBenchSettings(BaseSettings):
+    model_config = settings_config("bench engine")
+
+    target_model: str = Field("smollm2-135m-instruct", description="the model to benchmark")
+    max_tokens: int = Field(96, ge=1, description="new tokens per prompt")
+    prompts: int = Field(3, ge=1, le=len(TEXTS), description="how many prompts to run")
+    out: Path = Field(Path("bench/results"), description="where the Markdown table goes")
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def run_engine_bench(s: EngineBenchSettings) -> str:
+    from transformers import AutoModelForCausalLM
+
+    from workers.engine.loader import load_tokenizer, resolve_model
+
+    path = resolve_model(s.target_model)
+    tokenizer = load_tokenizer(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = Engine.from_hf(hf, tokenizer, EngineConfig(max_sessions=2), s.target_model)
+    stops = stop_token_ids(tokenizer)
+    prompts = [
+        encode_chat(tokenizer, [{"role": "user", "content": p}])
+        for p in grounded_prompts()[: s.prompts]
+    ]
+
+    def hf_generate(**kwargs):
+        def run(ids):
+            with torch.inference_mode():
+                out = hf.generate(
+                    torch.tensor([ids]), max_new_tokens=s.max_tokens, do_sample=False, **kwargs
+                )
+            return out[0, len(ids) :].tolist(), None
+
+        return run
+
+    def spec(drafter, tree: TreeSpec):
+        decoder = SpecDecoder(TargetRunner(engine, SessionTable(2)), drafter, tree, stops)
+
+        def run(ids):
+            gen = decoder.generate(ids, s.max_tokens, SamplingParams())
+            return gen.token_ids, gen.stats
+
+        return run
+
+    rows = {
+        "transformers generate (greedy)": hf_generate(),
+        "transformers prompt lookup (10)": hf_generate(prompt_lookup_num_tokens=10),
+        "SpecSplit native, speculation off": spec(None, TreeSpec()),
+        "SpecSplit n-gram chain (depth 8)": spec(
+            NgramDrafter(SessionTable(4)), TreeSpec(depth=8, branching=1, budget=8)
+        ),
+        "SpecSplit n-gram tree (depth 8, 24 nodes)": spec(
+            NgramDrafter(SessionTable(4)), TreeSpec(depth=8, budget=24)
+        ),
+    }
+    results = {}
+    reference: list[list[int]] | None = None
+    for name, run in rows.items():
+        run(prompts[0][:32])  # warm-up
+        outputs, tokens, steps, emitted = [], 0, 0, 0
+        start = time.perf_counter()
+        for ids in prompts:
+            out, stats = run(ids)
+            out = out[: next((i + 1 for i, t in enumerate(out) if t in stops), len(out))]
+            outputs.append(out)
+            tokens += len(out)
+            if stats is not None:
+                steps += stats.verify_steps
+                emitted += stats.emitted_tokens
+        elapsed = time.perf_counter() - start
+        reference = reference or outputs
+        same = "yes" if outputs == reference else "NO"
+        tau = f"{emitted / steps:.2f}" if steps else "-"
+        results[name] = (tokens / elapsed, tau, same)
+    base = results["transformers generate (greedy)"][0]
+    lines = [
+        f"Engine benchmark: {s.target_model}, {s.prompts} input-grounded prompts, "
+        f"{s.max_tokens} new tokens each, greedy. Machine: {machine()}.",
+        "",
+        "| decoder | tokens/s | × transformers generate | tokens per target forward | "
+        "same tokens |",
+        "|---|---:|---:|---:|:---:|",
+    ]
+    for name, (tps, tau, same) in results.items():
+        lines.append(f"| {name} | {tps:.1f} | {tps / base:.2f} | {tau} | {same} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] != "engine":
+        raise SystemExit("usage: specsplit bench engine [--max-tokens N] [--prompts N]")
+    s = parse(EngineBenchSettings, argv[1:])
+    table = run_engine_bench(s)
+    print(table)
+    s.out.mkdir(parents=True, exist_ok=True)
+    (s.out / "engine.md").write_text(table + "\n")

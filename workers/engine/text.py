@@ -1,0 +1,14 @@
+"""Text to token ids with a model's own tokenizer and chat template."""
+
+from __future__ import annotations
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template rendered with the generation prompt, then tokenized as is."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return encode(tokenizer, text)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Plain text to ids; templates and prompts already carry their special tokens."""
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
