@@ -29,7 +29,8 @@ class EngineConfig:
     device: str = "cpu"  # torch device; "cuda" where a GPU build of torch is installed
     dtype: str = "float32"  # one of DTYPES
     max_sessions: int = 8  # KV slots, i.e. sessions held at once
-    max_seq_len: int = 2048  # cache positions per slot (capped at the model's context)
+    max_seq_len: int = 2048  # context per session (capped at the model's context)
+    max_tree_nodes: int = 64  # most speculative tokens past the context, cached while verified
     cache_dir: Path | None = None  # model cache; None = $SPECSPLIT_MODEL_CACHE or ~/.cache
 
 
@@ -50,6 +51,7 @@ class Engine:
     tokenizer: object
     cache: SlotKVCache
     model_id: str
+    context_length: int  # most committed tokens per session
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @classmethod
@@ -72,19 +74,21 @@ class Engine:
             num_slots=config.max_sessions,
             num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_dim,
-            max_seq_len=min(config.max_seq_len, shape.max_positions),
+            max_seq_len=min(config.max_seq_len, shape.max_positions) + config.max_tree_nodes,
             dtype=next(hf_model.parameters()).dtype,
             device=config.device,
         )
-        return cls(model, tokenizer, cache, model_id, torch.device(config.device))
+        context = min(config.max_seq_len, shape.max_positions)
+        return cls(model, tokenizer, cache, model_id, context, torch.device(config.device))
 
     @property
     def vocab_size(self) -> int:
         return self.model.shape.vocab_size
 
     @property
-    def context_length(self) -> int:
-        return self.cache.max_seq_len
+    def max_tree_nodes(self) -> int:
+        """Cache room past the context for a tree under verification."""
+        return self.cache.max_seq_len - self.context_length
 
     @property
     def num_slots(self) -> int:
@@ -106,7 +110,7 @@ class Engine:
         width = max(r.prefix_len + len(r.parents) for r in rows)  # L
         if width > self.cache.max_seq_len:
             raise ValueError(
-                f"sequence of {width} tokens exceeds the cache ({self.context_length} tokens)"
+                f"sequence of {width} tokens exceeds the cache ({self.cache.max_seq_len} tokens)"
             )
         tokens = torch.zeros(len(rows), t, dtype=torch.long)  # (B, T)
         positions = torch.zeros(len(rows), t, dtype=torch.long)  # (B, T)

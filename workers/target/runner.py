@@ -78,27 +78,25 @@ def region(pending: list[int], tree: TokenTree) -> tuple[list[int], list[int]]:
 
 
 class TargetRunner:
-    def __init__(self, engine: Engine, table: SessionTable, max_tree_nodes: int = 64):
+    def __init__(self, engine: Engine, table: SessionTable, max_tree_nodes: int | None = None):
         self.engine = engine
         self.table = table
-        self.max_tree_nodes = max_tree_nodes
+        self.max_tree_nodes = min(max_tree_nodes or engine.max_tree_nodes, engine.max_tree_nodes)
 
     def prepare(self, call: VerifyCall, busy: set[str]) -> Prepared:
         check_tokens(call.tokens, self.engine.vocab_size)
         validate_tree(call.tree, self.engine.vocab_size, self.max_tree_nodes)
+        depth = int(depths(call.tree.parents).max()) if len(call.tree) else 0
+        if call.base_len + len(call.tokens) + depth > self.engine.context_length:
+            raise ValueError(
+                f"session {call.session_id!r} would exceed the context of "
+                f"{self.engine.context_length} tokens"
+            )
         synced = self.table.sync(call.session_id, call.base_len, call.tokens, busy)
         session = synced.session
         if session.cached == len(session.committed):  # the root must be fed for its logits
             session.cached -= 1
         tokens, parents = region(session.pending, call.tree)
-        deepest = (
-            len(session.pending) + int(depths(call.tree.parents).max()) if len(call.tree) else 0
-        )
-        if session.cached + max(deepest, len(session.pending)) >= self.engine.context_length:
-            raise ValueError(
-                f"session {call.session_id!r} would exceed the context of "
-                f"{self.engine.context_length} tokens"
-            )
         row = SlotInput(session.slot, session.cached, parents, tokens, len(call.tree) + 1)
         return Prepared(call, session, row, synced.prefix_hit)
 
