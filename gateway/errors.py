@@ -1,0 +1,117 @@
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}.
+
+Every failure a client can see goes through `APIError`: raised by handlers,
+by the generation loop, or made here from FastAPI's own validation errors and
+from unexpected exceptions, so no response is ever a bare 422 or 500 page.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("specsplit.gateway")
+
+TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    @property
+    def body(self) -> dict:
+        kind = TYPES.get(
+            self.status, "server_error" if self.status >= 500 else "invalid_request_error"
+        )
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return JSONResponse(self.body, status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+def unsupported(param: str, what: str = "is not supported by this server") -> APIError:
+    return APIError(400, f"`{param}` {what}", param, "unsupported_parameter")
+
+
+def param_path(loc: tuple | list) -> str | None:
+    """("body", "messages", 0, "content") -> "messages[0].content"."""
+    parts = [p for p in loc if p not in ("body", "query", "header", "path")]
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "list[int]", "list[str]", "list[list[int]]", "function-after"):
+            continue  # union member names pydantic adds to the location
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def validation_error(error: RequestValidationError) -> APIError:
+    first = error.errors()[0] if error.errors() else {"msg": "invalid request", "loc": ()}
+    if first.get("type") == "json_invalid":
+        return bad_request("the request body is not valid JSON", None, "invalid_json")
+    param = param_path(first.get("loc", ()))
+    message = str(first.get("msg", "invalid value"))
+    if first.get("type") == "missing":
+        return bad_request(f"`{param}` is required", param, "missing_required_parameter")
+    if first.get("type") == "extra_forbidden":
+        return bad_request(f"unrecognized request argument: `{param}`", param, "unknown_parameter")
+    if first.get("type") in ("model_type", "dict_type") and param is None:
+        return bad_request("the request body must be a JSON object", None, "invalid_body")
+    return bad_request(f"`{param}`: {message}" if param else message, param, "invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, error: APIError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        return validation_error(error).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if error.status_code == 404 else None
+        return APIError(error.status_code, str(error.detail), None, code).response()
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, error: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return APIError(
+            500, f"internal error: {type(error).__name__}", None, "internal_error"
+        ).response()

@@ -1,0 +1,201 @@
+"""From a checked request to a stream of text deltas: the one generator.
+
+`generate` runs every choice of a request (each prompt times n) and yields
+`Delta`s as rounds are verified: for each choice, the text its round
+completes (held back at incomplete characters and possible stop-string
+starts), the tokens behind it, and at the end its finish reason. Streaming
+responses format each delta as it comes; non-streaming ones collect them.
+Usage and speculation stats accumulate in a `Record` as the stream runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from gateway.metrics import Metrics
+from gateway.pool import Admission, Router
+from gateway.speculation import ChoicePlan, SpecCounters, Speculation
+from gateway.text import Piece, TextStream
+from workers.draft.runner import TreeSpec
+from workers.spec.sampling import SamplingParams
+from workers.target.runner import TokenLogprob
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A request as the loop sees it: token prompts and checked parameters."""
+
+    prompts: list[list[int]]  # one per prompt; each runs n choices
+    n: int
+    max_tokens: list[int]  # per prompt (bounded by the context left after it)
+    params: SamplingParams
+    stop: list[str]
+    spec: TreeSpec
+    stop_ids: frozenset[int]
+    num_logprobs: int = -1
+    affinity: str | None = None
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def plan(self, index: int) -> ChoicePlan:
+        """Choice `index` = prompt index * n + j; seeded choices get seeds seed + index."""
+        prompt = index // self.n
+        params = self.params
+        if params.seed is not None and index > 0:
+            params = SamplingParams(
+                params.temperature, params.top_p, params.top_k, params.seed + index
+            )
+        return ChoicePlan(
+            self.prompts[prompt],
+            self.max_tokens[prompt],
+            params,
+            self.spec,
+            self.stop_ids,
+            self.num_logprobs,
+            self.affinity,
+        )
+
+
+@dataclass
+class Delta:
+    index: int  # choice index
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)  # tokens whose text this delta completes
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # where each token's text starts
+    finish_reason: str | None = None
+
+
+@dataclass
+class Record:
+    """What a request used and produced, filled in while it streams."""
+
+    endpoint: str
+    arrived: float = field(default_factory=time.perf_counter)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    counters: SpecCounters = field(default_factory=SpecCounters)
+    first_token_at: float | None = None
+
+    @property
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+@dataclass
+class Generator:
+    """The loop's collaborators, shared by every request."""
+
+    router: Router
+    tokenizer: object
+    metrics: Metrics
+
+    async def generate(
+        self, request: GenerationRequest, record: Record, admission: Admission
+    ) -> AsyncIterator[Delta]:
+        """Every choice of the request, interleaved as their rounds complete."""
+        try:
+            record.prompt_tokens = sum(len(p) for p in request.prompts)
+            self.metrics.prompt_tokens.inc(record.prompt_tokens)
+            choices = [self.choice(i, request, record) for i in range(request.choices)]
+            async for delta in merge(choices):
+                yield delta
+        finally:
+            admission.release()
+            self.observe(record)
+
+    async def choice(
+        self, index: int, request: GenerationRequest, record: Record
+    ) -> AsyncIterator[Delta]:
+        speculation = Speculation(self.router, request.plan(index), self.metrics, index)
+        text = TextStream(self.tokenizer, request.stop)
+        last_round: float | None = None
+        try:
+            async with contextlib.aclosing(speculation.rounds()) as rounds:
+                async for round_ in rounds:
+                    now = time.perf_counter()
+                    if record.first_token_at is None:
+                        record.first_token_at = now
+                        self.metrics.time_to_first_token.observe(now - record.arrived)
+                    if last_round is not None and round_.tokens:
+                        self.metrics.inter_token_latency.observe(
+                            (now - last_round) / len(round_.tokens)
+                        )
+                    last_round = now
+                    piece = text.push(round_.tokens, round_.logprobs)
+                    finish = "stop" if text.stopped else round_.finish_reason
+                    if finish is not None:
+                        piece = joined(piece, text.finish())
+                    if piece or finish is not None:
+                        yield Delta(
+                            index, piece.text, piece.tokens, piece.logprobs, piece.offsets, finish
+                        )
+                    if finish is not None:
+                        break
+        finally:
+            self.leave_choice(speculation, text, record)
+
+    def leave_choice(self, speculation: Speculation, text: TextStream, record: Record) -> None:
+        record.completion_tokens += len(text.tokens)
+        record.counters.add(speculation.counters)
+        self.metrics.generation_tokens.inc(len(text.tokens))
+
+    def observe(self, record: Record) -> None:
+        self.metrics.e2e_latency.labels(record.endpoint).observe(
+            time.perf_counter() - record.arrived
+        )
+        if record.counters.draft_tokens:
+            c = record.counters
+            self.metrics.acceptance_rate.observe(c.accepted_tokens / c.draft_tokens)
+
+
+def joined(a: Piece, b: Piece) -> Piece:
+    return Piece(
+        a.text + b.text, a.tokens + b.tokens, a.logprobs + b.logprobs, a.offsets + b.offsets
+    )
+
+
+async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
+    """Items of several async generators as they come; closes all of them on exit."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:
+            async for item in only:
+                yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: AsyncIterator[Delta]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    await queue.put(item)
+        except Exception as error:  # noqa: BLE001 - re-raised by the consumer
+            await queue.put(error)
+        await queue.put(done)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,148 @@
+"""Prometheus metrics of the gateway, on its own CollectorRegistry (no global state).
+
+Labels are bounded: endpoint and status come from a fixed set of routes and
+codes, phase from {draft, verify, gateway}, position is capped at
+MAX_POSITION, role + address are bounded by the worker pools. No session ids.
+
+Speculation is exported as counters so that rates are PromQL over them:
+
+    # acceptance rate: accepted draft tokens / proposed draft tokens
+    sum(rate(specsplit_accepted_tokens_total[5m]))
+      / sum(rate(specsplit_draft_tokens_total[5m]))
+
+    # mean accepted length: accepted draft tokens per target forward
+    # (add 1 for tokens per forward: every verify step also emits a bonus token)
+    sum(rate(specsplit_accepted_tokens_total[5m]))
+      / sum(rate(specsplit_verify_steps_total[5m]))
+
+    # acceptance at depth k of the tree (the chance that a round gets past k)
+    sum(rate(specsplit_accepted_tokens_per_position_total{position="k"}[5m]))
+      / sum(rate(specsplit_verify_steps_total[5m]))
+
+    # share of rounds decoded without a draft because none was healthy
+    sum(rate(specsplit_degraded_rounds_total[5m]))
+      / sum(rate(specsplit_verify_steps_total[5m]))
+
+    # p95 time to first token
+    histogram_quantile(0.95,
+      sum by (le) (rate(specsplit_time_to_first_token_seconds_bucket[5m])))
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+MAX_POSITION = 16  # accepted-per-position label values run 0..MAX_POSITION ("16" = 16 and deeper)
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+RATE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "specsplit_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("specsplit_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter(
+            "specsplit_generation_tokens", "Tokens generated (returned to clients)", registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "specsplit_time_to_first_token_seconds",
+            "Request arrival to its first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "specsplit_inter_token_latency_seconds",
+            "Time between rounds of a choice divided by the tokens the later round emitted",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "specsplit_e2e_request_latency_seconds",
+            "Request arrival to its last token",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.round_phase = Histogram(
+            "specsplit_round_phase_seconds",
+            "Time of one speculation round by phase (draft, verify, gateway)",
+            ["phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.draft_tokens = Counter(
+            "specsplit_draft_tokens", "Draft tree nodes sent to verification", registry=r
+        )
+        self.accepted_tokens = Counter(
+            "specsplit_accepted_tokens", "Draft tree nodes the target accepted", registry=r
+        )
+        self.verify_steps = Counter(
+            "specsplit_verify_steps", "Target verify calls that committed a round", registry=r
+        )
+        self.accepted_per_position = Counter(
+            "specsplit_accepted_tokens_per_position",
+            f"Rounds whose accepted path reached depth `position` (0-based, capped {MAX_POSITION})",
+            ["position"],
+            registry=r,
+        )
+        self.acceptance_rate = Histogram(
+            "specsplit_request_acceptance_rate",
+            "Accepted / proposed draft tokens of one request (requests that drafted)",
+            buckets=RATE_BUCKETS,
+            registry=r,
+        )
+        self.live_sessions = Gauge(
+            "specsplit_live_sessions", "Choices being generated now", registry=r
+        )
+        self.worker_up = Gauge(
+            "specsplit_worker_up",
+            "1 when the worker passes health checks",
+            ["role", "address"],
+            registry=r,
+        )
+        self.degraded_rounds = Counter(
+            "specsplit_degraded_rounds",
+            "Rounds decoded by the target alone because no draft worker answered",
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "specsplit_prefix_cache_hits",
+            "Session (re)starts on a target that reused cached prompt tokens",
+            registry=r,
+        )
+        self.prefix_cache_hit_tokens = Counter(
+            "specsplit_prefix_cache_hit_tokens",
+            "Prompt tokens a target reused from its cache on (re)start",
+            registry=r,
+        )
+        self.history_resends = Counter(
+            "specsplit_history_resends",
+            "Full histories re-sent to a worker that lost a session (NOT_FOUND)",
+            ["role"],
+            registry=r,
+        )
+        self.failovers = Counter(
+            "specsplit_failovers",
+            "Sessions moved to another worker because theirs failed",
+            ["role"],
+            registry=r,
+        )
+
+    def observe_round(self, drafted: int, accepted: int, degraded: bool, prefix_hit: int) -> None:
+        self.draft_tokens.inc(drafted)
+        self.accepted_tokens.inc(accepted)
+        self.verify_steps.inc()
+        for position in range(min(accepted, MAX_POSITION + 1)):
+            self.accepted_per_position.labels(position=str(position)).inc()
+        if degraded:
+            self.degraded_rounds.inc()
+        if prefix_hit > 0:
+            self.prefix_cache_hits.inc()
+            self.prefix_cache_hit_tokens.inc(prefix_hit)

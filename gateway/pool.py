@@ -1,0 +1,327 @@
+"""Worker pools and the router that pairs each choice with a draft and a target.
+
+A `Pool` holds the workers of one role. Its addresses are host:port pairs; a
+DNS name is re-resolved every `dns_refresh_s` and stands for every address it
+resolves to (a Kubernetes headless Service lists one address per pod), so pods
+that come and go join and leave the pool. Every worker is health-checked every
+`health_interval_s`; a call that fails marks it down at once, and the next
+passing check brings it back.
+
+The `Router` admits requests (503 with no healthy target, 429 over capacity),
+picks the least loaded healthy worker of a role, and keeps a conversation
+(X-Session-ID header or `user`) on the workers that served it before, under
+the same worker session id, so a target finds the conversation's prefix still
+in its KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import ipaddress
+import logging
+import math
+import socket
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from gateway.backend import Backend, BackendFactory, Role, WorkerInfo
+from gateway.errors import APIError
+from gateway.metrics import Metrics
+
+log = logging.getLogger("specsplit.gateway")
+
+CALL_TIMEOUT_S = 5.0  # health, info and end calls
+
+
+@dataclass(eq=False)
+class Worker:
+    role: Role
+    address: str
+    backend: Backend
+    up: bool = False  # passed its last health check and no call failed since
+    info: WorkerInfo | None = None
+    compatible: bool = True  # its tokenizer matches the gateway's
+    load: int = 0  # choices bound to it now
+    picks: int = 0  # choices ever bound to it (breaks ties in least-loaded picks)
+    ever_up: bool = False
+
+    @property
+    def serving(self) -> bool:
+        return self.up and self.compatible
+
+    @property
+    def capacity(self) -> float:
+        sessions = self.info.max_sessions if self.info else 0
+        return sessions if sessions > 0 else math.inf
+
+
+def split_addresses(addresses: str) -> list[str]:
+    return [a.strip() for a in addresses.split(",") if a.strip()]
+
+
+async def resolve_address(address: str) -> list[str]:
+    """host:port -> one host:port per address the name resolves to (IPv4 first).
+
+    IP literals and names without a numeric port (in-process workers) are
+    returned as they are; a name that does not resolve raises OSError.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return [address]
+    host = host.strip("[]")
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(host)
+        return [address]
+    infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    v4 = sorted({i[4][0] for i in infos if i[0] == socket.AF_INET})
+    v6 = sorted({i[4][0] for i in infos if i[0] == socket.AF_INET6})
+    return [f"{ip}:{port}" for ip in v4] or [f"[{ip}]:{port}" for ip in v6]
+
+
+class Pool:
+    def __init__(
+        self,
+        role: Role,
+        addresses: list[str],
+        factory: BackendFactory,
+        metrics: Metrics,
+        fingerprint: str = "",
+        health_interval_s: float = 2.0,
+        dns_refresh_s: float = 30.0,
+        resolver=resolve_address,
+    ):
+        self.role = role
+        self.addresses = addresses  # as configured (names or host:port)
+        self.factory = factory
+        self.metrics = metrics
+        self.fingerprint = fingerprint  # the gateway tokenizer's; "" = accept any worker
+        self.health_interval_s = health_interval_s
+        self.dns_refresh_s = dns_refresh_s
+        self.resolver = resolver
+        self.resolved: dict[str, list[str]] = {}  # configured address -> last resolution
+        self.workers: dict[str, Worker] = {}
+        self.task: asyncio.Task | None = None
+
+    def serving(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.serving]
+
+    async def start(self) -> None:
+        await self.refresh()
+        await self.check_all()
+        self.task = asyncio.create_task(self.watch(), name=f"pool-{self.role}")
+
+    async def watch(self) -> None:
+        last_refresh = time.monotonic()
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            if self.dns_refresh_s > 0 and time.monotonic() - last_refresh >= self.dns_refresh_s:
+                last_refresh = time.monotonic()
+                await self.refresh()
+            await self.check_all()
+
+    async def refresh(self) -> None:
+        """Re-resolves the configured addresses; adds and removes workers to match."""
+        wanted: list[str] = []
+        for address in self.addresses:
+            try:
+                self.resolved[address] = await self.resolver(address)
+            except OSError as error:
+                log.warning("%s %s does not resolve: %s", self.role, address, error)
+                self.resolved.setdefault(address, [address])  # let the backend try it
+            wanted += [a for a in self.resolved[address] if a not in wanted]
+        for address in wanted:
+            if address not in self.workers:
+                self.workers[address] = Worker(self.role, address, self.factory(self.role, address))
+                log.info("%s worker %s joined the pool", self.role, address)
+        for address in [a for a in self.workers if a not in wanted]:
+            worker = self.workers.pop(address)
+            worker.up = False
+            self.metrics.worker_up.remove(self.role, address)
+            log.info("%s worker %s left the pool", self.role, address)
+            with contextlib.suppress(Exception):
+                await worker.backend.close()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
+
+    async def check(self, worker: Worker) -> None:
+        try:
+            up = await asyncio.wait_for(worker.backend.health(), CALL_TIMEOUT_S)
+            if up and not worker.up:  # (re)joined: it may be a new process
+                worker.info = await asyncio.wait_for(worker.backend.info(), CALL_TIMEOUT_S)
+                worker.compatible = self.compatible(worker)
+        except Exception as error:  # noqa: BLE001 - any failure means not serving
+            if worker.up:
+                log.warning(
+                    "%s worker %s failed its health check: %s", self.role, worker.address, error
+                )
+            up = False
+        if up != worker.up:
+            log.info("%s worker %s is %s", self.role, worker.address, "up" if up else "down")
+        worker.up = up
+        worker.ever_up |= up
+        self.metrics.worker_up.labels(self.role, worker.address).set(1 if worker.serving else 0)
+
+    def compatible(self, worker: Worker) -> bool:
+        theirs = worker.info.tokenizer_fingerprint if worker.info else ""
+        if not theirs or not self.fingerprint or theirs == self.fingerprint:
+            return True
+        log.error(
+            "%s worker %s serves %s with tokenizer %s, the gateway's is %s: not used",
+            self.role,
+            worker.address,
+            worker.info.model_id,
+            theirs,
+            self.fingerprint,
+        )
+        return False
+
+    def mark_down(self, worker: Worker, reason: str) -> None:
+        if worker.up:
+            log.warning("%s worker %s marked down: %s", self.role, worker.address, reason)
+        worker.up = False
+        if worker.address in self.workers:
+            self.metrics.worker_up.labels(self.role, worker.address).set(0)
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+        for worker in self.workers.values():
+            with contextlib.suppress(Exception):
+                await worker.backend.close()
+
+
+@dataclass
+class Admission:
+    """n live choices held by a request; released once, however the request ends."""
+
+    router: Router
+    n: int
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.router.live -= self.n
+            self.router.metrics.live_sessions.set(self.router.live)
+
+
+@dataclass
+class Router:
+    targets: Pool
+    drafts: Pool | None  # None: decode with the target alone by configuration
+    metrics: Metrics
+    max_sessions: int = 64  # choices generated at once, over all workers
+    affinity_entries: int = 10_000  # conversations remembered
+    retry_after_s: int = 2
+    live: int = 0
+    affinity: OrderedDict[str, dict[Role, str]] = field(default_factory=OrderedDict)
+    busy_ids: set[str] = field(default_factory=set)  # worker session ids in use
+    pending: set[asyncio.Task] = field(default_factory=set)  # EndSession calls in flight
+
+    def pool(self, role: Role) -> Pool | None:
+        return self.targets if role == "target" else self.drafts
+
+    def healthy(self) -> bool:
+        """At least one target, and one draft unless drafting is off or in-gateway."""
+        return bool(self.targets.serving()) and (self.drafts is None or bool(self.drafts.serving()))
+
+    def context_length(self) -> int | None:
+        lengths = [
+            w.info.context_length
+            for w in self.targets.serving()
+            if w.info and w.info.context_length > 0
+        ]
+        return min(lengths) if lengths else None
+
+    def eos_token_ids(self) -> set[int]:
+        return {t for w in self.targets.serving() if w.info for t in w.info.eos_token_ids}
+
+    def admit(self, n: int) -> Admission:
+        """Reserves n live choices, or raises 503 (no target) or 429 (full)."""
+        targets = self.targets.serving()
+        if not targets:
+            raise APIError(
+                503, "no healthy target worker", None, "no_healthy_target", self.retry_after_s
+            )
+        capacity = min(self.max_sessions, sum(w.capacity for w in targets))
+        if self.live + n > capacity:
+            raise APIError(
+                429,
+                f"too many concurrent sessions ({self.live} live, capacity {int(capacity)})",
+                None,
+                "too_many_sessions",
+                self.retry_after_s,
+            )
+        self.live += n
+        self.metrics.live_sessions.set(self.live)
+        return Admission(self, n)
+
+    def session_id(self, key: str | None, index: int) -> str:
+        """A conversation reuses its worker session ids (and so their cached prefix)."""
+        if key is not None:
+            digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+            sid = f"conv-{digest}-{index}"
+            if sid not in self.busy_ids:  # the same conversation may run twice at once
+                self.busy_ids.add(sid)
+                return sid
+        return uuid.uuid4().hex
+
+    def bind(self, role: Role, key: str | None, exclude: set[str]) -> Worker | None:
+        """The affine worker when it is serving, else the least loaded one."""
+        pool = self.pool(role)
+        candidates = [w for w in pool.serving() if w.address not in exclude] if pool else []
+        if not candidates:
+            return None
+        preferred = self.affinity.get(key, {}).get(role) if key is not None else None
+        chosen = next((w for w in candidates if w.address == preferred), None)
+        if chosen is None:
+            chosen = min(candidates, key=lambda w: (w.load, w.picks))
+        chosen.load += 1
+        chosen.picks += 1
+        if key is not None:
+            self.affinity.setdefault(key, {})[role] = chosen.address
+            self.affinity.move_to_end(key)
+            while len(self.affinity) > self.affinity_entries:
+                self.affinity.popitem(last=False)
+        return chosen
+
+    def unbind(self, worker: Worker, session_id: str, end: bool = True) -> None:
+        worker.load -= 1
+        if end:
+            self.end(session_id, [worker])
+
+    def fail(self, worker: Worker, error: Exception, session_id: str) -> None:
+        """A call to the worker failed: mark it down (its sessions move elsewhere)."""
+        self.pool(worker.role).mark_down(worker, f"{type(error).__name__}: {error}")
+        self.metrics.failovers.labels(worker.role).inc()
+        self.unbind(worker, session_id)
+
+    def release(self, session_id: str) -> None:
+        self.busy_ids.discard(session_id)
+
+    def end(self, session_id: str, workers: list[Worker]) -> None:
+        """Ends the session on every worker at once, in the background."""
+
+        async def end_all() -> None:
+            calls = [asyncio.wait_for(w.backend.end(session_id), CALL_TIMEOUT_S) for w in workers]
+            for worker, result in zip(
+                workers, await asyncio.gather(*calls, return_exceptions=True), strict=True
+            ):
+                if isinstance(result, Exception) and worker.up:
+                    log.info("ending %s on %s failed: %s", session_id, worker.address, result)
+
+        task = asyncio.get_running_loop().create_task(end_all())
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
+    async def drain(self) -> None:
+        """Waits for the EndSession calls in flight (on shutdown)."""
+        if self.pending:
+            await asyncio.wait(list(self.pending), timeout=CALL_TIMEOUT_S)

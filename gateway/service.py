@@ -1,0 +1,217 @@
+"""The gateway's shared state and what each endpoint does with it.
+
+`Gateway.start` loads the target's tokenizer, builds the worker pools and
+starts watching them; the route handlers call one method each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
+
+from gateway.backend import BackendFactory
+from gateway.errors import APIError
+from gateway.generation import GenerationRequest, Generator, Record
+from gateway.inprocess import InProcessFactory, local_ngram_draft
+from gateway.metrics import Metrics
+from gateway.pool import Pool, Router, split_addresses
+from gateway.prompts import chat_prompt, completion_prompts, generation_request
+from gateway.responses import Format, sse
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.settings import GatewaySettings
+
+log = logging.getLogger("specsplit.gateway")
+
+DISCONNECT_POLL_S = 0.25
+
+
+def load_target_tokenizer(model: str):
+    from workers.engine.loader import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model(model))
+
+
+@dataclass
+class Gateway:
+    settings: GatewaySettings
+    tokenizer: object
+    router: Router
+    metrics: Metrics
+    generator: Generator
+    started: int
+
+    @classmethod
+    async def start(
+        cls, settings: GatewaySettings, factory: BackendFactory, metrics: Metrics
+    ) -> Gateway:
+        from workers.engine.loader import tokenizer_fingerprint
+
+        tokenizer = await asyncio.to_thread(load_target_tokenizer, settings.target_model)
+        fingerprint = tokenizer_fingerprint(tokenizer)
+
+        def pool(role, addresses, make=factory) -> Pool:
+            return Pool(
+                role,
+                addresses,
+                make,
+                metrics,
+                fingerprint,
+                settings.health_interval_s,
+                settings.dns_refresh_s,
+            )
+
+        targets = pool("target", split_addresses(settings.target_addresses))
+        if not targets.addresses:
+            raise ValueError("no target workers: set --target-addresses")
+        drafts: Pool | None = None
+        if settings.draft_addresses:
+            drafts = pool("draft", split_addresses(settings.draft_addresses))
+        elif settings.local_draft == "ngram":
+            local = local_ngram_draft(max(2 * settings.max_sessions, 64))
+            drafts = pool("draft", [local.address], InProcessFactory([local]))
+        router = Router(
+            targets,
+            drafts,
+            metrics,
+            settings.max_sessions,
+            settings.affinity_entries,
+            retry_after_s=max(1, round(settings.health_interval_s)),
+        )
+        await asyncio.gather(*(p.start() for p in (targets, drafts) if p is not None))
+        generator = Generator(router, tokenizer, metrics)
+        return cls(settings, tokenizer, router, metrics, generator, int(time.time()))
+
+    async def close(self) -> None:
+        await self.router.drain()
+        for p in (self.router.targets, self.router.drafts):
+            if p is not None:
+                await p.close()
+
+    # --- endpoints ----------------------------------------------------------
+
+    def models(self) -> dict:
+        model = {
+            "id": self.settings.model_name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "specsplit",
+        }
+        return {"object": "list", "data": [model]}
+
+    def health(self) -> JSONResponse:
+        pools = {"target": self.router.targets, "draft": self.router.drafts}
+        workers = {
+            role: [
+                {"address": w.address, "up": w.serving, "load": w.load} for w in p.workers.values()
+            ]
+            for role, p in pools.items()
+            if p is not None
+        }
+        healthy = self.router.healthy()
+        body = {"status": "ok" if healthy else "unavailable", "workers": workers}
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        self.check_model(body.model)
+        body.refuse_unsupported()
+        prompt = chat_prompt(self.tokenizer, body.messages)
+        plan = self.plan(body, [prompt], request)
+        fmt = Format(
+            chat=True,
+            model=body.model,
+            tokenizer=self.tokenizer,
+            choices=plan.choices,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            speculation_stats=body.speculation_stats,
+            num_logprobs=plan.num_logprobs,
+            n=plan.n,
+        )
+        return await self.respond(plan, fmt, "chat", body.stream, request)
+
+    async def completions(self, body: CompletionRequest, request: Request):
+        self.check_model(body.model)
+        body.refuse_unsupported()
+        prompts = completion_prompts(self.tokenizer, body.prompt, len(self.tokenizer))
+        plan = self.plan(body, prompts, request)
+        echo = None
+        if body.echo:
+            echo = [self.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+            if isinstance(body.prompt, str):
+                echo = [body.prompt]
+        fmt = Format(
+            chat=False,
+            model=body.model,
+            tokenizer=self.tokenizer,
+            choices=plan.choices,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            speculation_stats=body.speculation_stats,
+            num_logprobs=plan.num_logprobs,
+            echo=echo,
+            n=plan.n,
+        )
+        return await self.respond(plan, fmt, "completions", body.stream, request)
+
+    # --- helpers -----------------------------------------------------------
+
+    def check_model(self, model: str) -> None:
+        if model != self.settings.model_name:
+            raise APIError(
+                404,
+                f"the model `{model}` does not exist; this server serves "
+                f"`{self.settings.model_name}`",
+                "model",
+                "model_not_found",
+            )
+
+    def plan(self, body, prompts: list[list[int]], request: Request) -> GenerationRequest:
+        context = self.router.context_length() or getattr(self.tokenizer, "model_max_length", 2048)
+        eos = self.router.eos_token_ids()
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        affinity = request.headers.get("x-session-id") or body.user
+        return generation_request(body, prompts, self.settings, context, frozenset(eos), affinity)
+
+    async def respond(
+        self, plan: GenerationRequest, fmt: Format, endpoint: str, stream: bool, request: Request
+    ):
+        admission = self.router.admit(plan.choices)
+        record = Record(endpoint, getattr(request.state, "arrived", None) or time.perf_counter())
+        deltas = self.generator.generate(plan, record, admission)
+        if stream:
+            return EventSourceResponse(
+                sse(fmt.chunks(deltas, record)),
+                sep="\n",
+                background=BackgroundTask(admission.release),
+            )
+        try:
+            return await until_disconnected(request, fmt.collect(deltas, record))
+        finally:
+            admission.release()
+
+
+async def until_disconnected(request: Request, work: Awaitable):
+    """Awaits `work`; cancels it when the client goes away (vLLM's disconnect watcher)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                log.info("client disconnected; generation cancelled")
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return APIError(499, "client closed the request", None, "client_closed").response()
+    finally:
+        if not task.done():
+            task.cancel()

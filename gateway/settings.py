@@ -1,0 +1,69 @@
+"""Settings of the gateway (`specsplit gateway`), built once and passed down.
+
+`GatewayOptions` holds what both `specsplit gateway` and `specsplit serve`
+accept; `GatewaySettings` adds where the workers are. Every field is a flag
+(`--max-sessions`) and an environment variable (`SPECSPLIT_MAX_SESSIONS`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings
+
+from workers.draft.runner import TreeSpec
+from workers.settings import settings_config
+
+
+class GatewayOptions(BaseSettings):
+    model_config = settings_config("gateway")
+
+    target_model: str = Field(
+        "smollm2-135m-instruct",
+        description="the targets' model (alias, directory, .gguf, HF id): tokenizer and model name",
+    )
+    served_model_name: str = Field("", description="the name clients use; '' = --target-model")
+    api_keys: str = Field("", description="comma list of accepted Bearer keys; '' = no auth")
+    max_sessions: int = Field(64, ge=1, description="choices generated at once (more: 429)")
+    max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask")
+    max_n: int = Field(8, ge=1, description="largest n (choices per prompt)")
+    max_prompts: int = Field(16, ge=1, description="most prompts in one /v1/completions batch")
+    max_body_bytes: int = Field(4_000_000, ge=1024, description="largest request body")
+    tree_depth: int = Field(6, ge=0, description="most draft tokens along one path")
+    tree_branching: int = Field(2, ge=1, description="children per expanded node; 1 = chain")
+    tree_budget: int = Field(16, ge=0, description="most draft tree nodes per round")
+    health_interval_s: float = Field(2.0, gt=0, description="seconds between worker health checks")
+    dns_refresh_s: float = Field(
+        30.0, ge=0, description="seconds between re-resolving worker names; 0 = never"
+    )
+    affinity_entries: int = Field(10_000, ge=0, description="conversations remembered for routing")
+    log_level: str = Field("info", description="debug, info, warning or error")
+
+    @property
+    def tree_spec(self) -> TreeSpec:
+        return TreeSpec(self.tree_depth, self.tree_branching, self.tree_budget)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.target_model
+
+    @property
+    def keys(self) -> frozenset[str]:
+        return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
+
+
+class GatewaySettings(GatewayOptions):
+    model_config = settings_config("gateway")
+
+    host: str = Field("0.0.0.0", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    target_addresses: str = Field(
+        "", description="comma list of target workers, host:port (a DNS name may list many)"
+    )
+    draft_addresses: str = Field(
+        "", description="comma list of draft workers; '' = the draft runs in the gateway"
+    )
+    local_draft: Literal["ngram", "none"] = Field(
+        "ngram", description="in-gateway draft used without --draft-addresses; none = target alone"
+    )

@@ -1,0 +1,152 @@
+"""Tokens to streamable text: incremental detokenizing and stop strings.
+
+Two things must never reach a client: half of a multi-byte character, and any
+part of a stop string. Both are solved by holding text back:
+
+- `IncrementalDetokenizer` decodes a sliding window of tokens and emits only
+  what the last token added; while the window's text ends in U+FFFD (the
+  tokens so far end inside a UTF-8 character), it emits nothing and waits.
+- `StopStrings` finds stop strings in the text and says how long a suffix of
+  it could still grow into one (that suffix is held back).
+
+`TextStream` puts them together for one choice: tokens in, `Piece`s of text
+out, each with the tokens whose text it completes (for logprobs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.target.runner import TokenLogprob
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Token ids in, text out, never splitting a character.
+
+    The text of token i is decode(window + i) minus decode(window), with the
+    window starting a token or more back so that tokenizers that drop a leading
+    space of the first token (SentencePiece) still render it.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = 0  # window start
+        self.read = 0  # ids[prefix:read] are already emitted
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def push(self, token: int) -> str:
+        """The text the token completes ("" while a character is incomplete)."""
+        self.ids.append(token)
+        before = self.decode(self.ids[self.prefix : self.read])
+        after = self.decode(self.ids[self.prefix :])
+        if len(after) <= len(before) or after.endswith(REPLACEMENT):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before) :]
+
+    def flush(self) -> str:
+        """Whatever is still held (an incomplete character decodes as U+FFFD)."""
+        before = self.decode(self.ids[self.prefix : self.read])
+        after = self.decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return after[len(before) :]
+
+
+class StopStrings:
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in dict.fromkeys(stops) if s]  # distinct, non-empty
+
+    def __bool__(self) -> bool:
+        return bool(self.stops)
+
+    def find(self, text: str, start: int) -> int | None:
+        """Index of the earliest stop string in text that starts at or after `start`."""
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def holdback(self, text: str) -> int:
+        """Length of the longest suffix of text that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
+
+
+@dataclass
+class Piece:
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)  # tokens whose text this piece completes
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when asked for
+    offsets: list[int] = field(default_factory=list)  # where each token's text starts
+
+    def __bool__(self) -> bool:
+        return bool(self.text or self.tokens)
+
+
+class TextStream:
+    """One choice's generated tokens in, releasable text out.
+
+    Released text is final: it never contains any part of a stop string nor an
+    incomplete character. Stop strings are searched in the unreleased text, so
+    one that spans two rounds is found as well as one inside a round.
+    """
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.stops = StopStrings(stops)
+        self.text = ""  # decoded so far (cut at the stop string once found)
+        self.released = 0  # text[:released] went out
+        self.tokens: list[int] = []  # generated tokens (up to the one completing a stop)
+        self.logprobs: list[TokenLogprob] = []
+        self.ends: list[int] = []  # text length after each token that completed its text
+        self.sent = 0  # tokens[:sent] went out
+        self.stopped = False  # a stop string was found
+
+    def push(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> Piece:
+        """Adds a round's tokens; returns what can be released now."""
+        for i, token in enumerate(tokens):
+            self.tokens.append(token)
+            if logprobs is not None:
+                self.logprobs.append(logprobs[i])
+            added = self.detokenizer.push(token)
+            if added:  # this token, and any that produced no text before it, end here
+                self.text += added
+                self.ends += [len(self.text)] * (len(self.tokens) - len(self.ends))
+            cut = self.stops.find(self.text, self.released) if added and self.stops else None
+            if cut is not None:
+                self.text, self.stopped = self.text[:cut], True
+                return self.release(len(self.text), final=True)
+        return self.release(len(self.text) - self.stops.holdback(self.text))
+
+    def finish(self) -> Piece:
+        """The end of the choice: flushes held characters and held stop prefixes."""
+        if not self.stopped:
+            self.text += self.detokenizer.flush()
+        return self.release(len(self.text), final=True)
+
+    def release(self, upto: int, final: bool = False) -> Piece:
+        """Text up to `upto`, with the tokens it completes (every token when final)."""
+        piece = Piece(self.text[self.released : upto])
+        self.released = max(self.released, upto)
+        done = len(self.tokens) if final else sum(1 for end in self.ends if end <= upto)
+        for i in range(self.sent, done):
+            piece.tokens.append(self.tokens[i])
+            start = self.ends[min(i, len(self.ends)) - 1] if i and self.ends else 0
+            piece.offsets.append(min(start, len(self.text)))
+            if self.logprobs:
+                piece.logprobs.append(self.logprobs[i])
+        self.sent = max(self.sent, done)
+        return piece

@@ -1,0 +1,31 @@
+"""Fixtures of the gateway tests: a tiny model on disk and gateways over in-process workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.gateway.helpers import write_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    """Tiny models: parallel kernels only add synchronisation on a 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """The target: a tiny random Llama with the word tokenizer and a chat template."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "target")
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory) -> Path:
+    """A draft model: the target with slightly perturbed weights (accepted often, not always)."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "draft", noise=0.01)

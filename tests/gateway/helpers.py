@@ -1,0 +1,137 @@
+"""Tiny models on disk, in-process workers and a live gateway for the gateway tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import uvicorn
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from gateway.app import create_app
+from gateway.inprocess import InProcessDraft, InProcessFactory, InProcessTarget
+from gateway.settings import GatewaySettings
+from tests.engine.tiny import tiny_hf_model
+from workers.draft.runner import ModelDrafter
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.sessions import SessionTable
+from workers.target.runner import TargetRunner
+
+SPECIALS = ["<unk>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+WORDS = (
+    "the a cat dog sat on mat ran fast slow red blue green café naïve 日本 語 über "
+    "hello world one two three four five six seven eight nine ten , . ! ?"
+).split()
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+MODEL = "tiny-chat"
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """Whole words (with a few multi-byte ones), joined by spaces when decoded."""
+    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="</s>",
+        additional_special_tokens=SPECIALS[2:],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def write_tiny_model(path: Path, seed: int = 0, noise: float = 0.0) -> Path:
+    """A tiny random Llama with the word tokenizer, in HF layout (as the loader expects)."""
+    tokenizer = word_tokenizer()
+    model = tiny_hf_model(vocab=len(tokenizer), seed=seed)
+    if noise:
+        gen = torch.Generator().manual_seed(99)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * noise)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def load_engine(path: Path, slots: int = 4) -> Engine:
+    return Engine.load(EngineConfig(model=str(path), max_sessions=slots, max_seq_len=256))
+
+
+def target(path: Path, address: str = "t0", slots: int = 4) -> InProcessTarget:
+    engine = load_engine(path, slots)
+    return InProcessTarget(address, TargetRunner(engine, SessionTable(slots)))
+
+
+def model_draft(path: Path, address: str = "d0", slots: int = 4) -> InProcessDraft:
+    engine = load_engine(path, slots)
+    return InProcessDraft(address, ModelDrafter(engine, SessionTable(slots)))
+
+
+def settings(model_dir: Path, targets: list[str], drafts: list[str] = (), **kw) -> GatewaySettings:
+    values = dict(
+        target_model=str(model_dir),
+        served_model_name=MODEL,
+        target_addresses=",".join(targets),
+        draft_addresses=",".join(drafts),
+        health_interval_s=0.2,
+        dns_refresh_s=0,
+        api_keys="",
+    )
+    return GatewaySettings(**{**values, **kw})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveGateway:
+    """The gateway app served by uvicorn on a free port, in a background thread."""
+
+    app: object
+    port: int = 0
+
+    def __enter__(self) -> LiveGateway:
+        self.port = free_port()
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the gateway did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def gateway(self):
+        return self.app.state.gateway
+
+
+def live(model_dir: Path, backends: list, **kw) -> LiveGateway:
+    targets = [b.address for b in backends if b.role == "target"]
+    drafts = [b.address for b in backends if b.role == "draft"]
+    app = create_app(settings(model_dir, targets, drafts, **kw), InProcessFactory(backends))
+    return LiveGateway(app)

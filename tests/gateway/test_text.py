@@ -1,0 +1,141 @@
+"""Incremental detokenizing (UTF-8 holdback) and stop strings (holdback, spanning rounds)."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from gateway.text import IncrementalDetokenizer, StopStrings, TextStream
+from tests.gateway.helpers import word_tokenizer
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE without merges: one token per UTF-8 byte, like GPT-2's base alphabet."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab["</s>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_multibyte_characters_are_held_until_complete(byte_tokenizer):
+    text = "é日本🙂!"
+    tokens = ids(byte_tokenizer, text)
+    assert len(tokens) == len(text.encode())  # one token per byte
+    detok = IncrementalDetokenizer(byte_tokenizer)
+    pieces = [detok.push(t) for t in tokens]
+    assert all("\ufffd" not in p for p in pieces)
+    assert [p for p in pieces if p] == ["é", "日", "本", "🙂", "!"]
+    assert pieces[:2] == ["", "é"]  # the first byte of é waits for the second
+    assert "".join(pieces) + detok.flush() == text
+
+
+def test_flush_releases_an_incomplete_tail(byte_tokenizer):
+    tokens = ids(byte_tokenizer, "a日")[:2]  # "a" and the first byte of 日
+    detok = IncrementalDetokenizer(byte_tokenizer)
+    assert [detok.push(t) for t in tokens] == ["a", ""]
+    assert detok.flush() == "\ufffd"
+
+
+def test_word_pieces_concatenate_to_the_full_decode():
+    tokenizer = word_tokenizer()
+    tokens = ids(tokenizer, "the cat café 日本 sat on über mat")
+    detok = IncrementalDetokenizer(tokenizer)
+    text = "".join(detok.push(t) for t in tokens) + detok.flush()
+    assert text == tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_special_tokens_produce_no_text():
+    tokenizer = word_tokenizer()
+    detok = IncrementalDetokenizer(tokenizer)
+    out = [detok.push(t) for t in ids(tokenizer, "the cat") + [tokenizer.eos_token_id]]
+    assert out == ["the", " cat", ""]
+
+
+@pytest.mark.parametrize(
+    ("text", "stops", "held"),
+    [
+        ("hello wor", ["world"], 3),
+        ("hello w", ["world", "xyz"], 1),
+        ("hello", ["world"], 0),
+        ("abab", ["abc"], 2),
+        ("the end.", ["."], 0),  # a complete stop is found, not held
+        ("aaa", ["aaab"], 3),
+        ("", ["x"], 0),
+    ],
+)
+def test_holdback_is_the_longest_suffix_that_could_start_a_stop(text, stops, held):
+    assert StopStrings(stops).holdback(text) == held
+
+
+def test_find_returns_the_earliest_stop():
+    stops = StopStrings(["two", "one"])
+    assert stops.find("zero one two", 0) == 5
+    assert stops.find("zero one two", 6) == 9
+    assert stops.find("zero", 0) is None
+
+
+def test_stop_string_spanning_two_rounds_never_leaks():
+    tokenizer = word_tokenizer()
+    stream = TextStream(tokenizer, ["cat sat"])
+    first = stream.push(ids(tokenizer, "the red cat"))
+    assert first.text == "the red "  # "cat" could start "cat sat": held back
+    assert not stream.stopped
+    second = stream.push(ids(tokenizer, "sat on the mat"))
+    assert stream.stopped
+    assert first.text + second.text == "the red "
+    assert second.tokens == ids(tokenizer, "cat sat")  # up to the token completing the stop
+
+
+def test_held_text_is_released_when_the_stop_does_not_come():
+    tokenizer = word_tokenizer()
+    stream = TextStream(tokenizer, ["cat sat"])
+    assert stream.push(ids(tokenizer, "the cat")).text == "the "
+    assert stream.push(ids(tokenizer, "ran")).text == "cat ran"
+    assert stream.finish().text == ""
+
+
+def test_finish_releases_a_held_prefix():
+    tokenizer = word_tokenizer()
+    stream = TextStream(tokenizer, ["cat sat"])
+    assert stream.push(ids(tokenizer, "the cat")).text == "the "
+    end = stream.finish()
+    assert end.text == "cat"
+    assert stream.text == "the cat"
+
+
+def test_stop_inside_one_round_cuts_the_rest():
+    tokenizer = word_tokenizer()
+    stream = TextStream(tokenizer, ["."])
+    piece = stream.push(ids(tokenizer, "the cat . dog ran"))
+    assert stream.stopped
+    assert piece.text == "the cat "
+    assert len(stream.tokens) == 3
+
+
+def test_tokens_travel_with_the_text_they_complete(byte_tokenizer):
+    stream = TextStream(byte_tokenizer, [])
+    tokens = ids(byte_tokenizer, "aé")
+    first = stream.push(tokens[:2])  # "a" and the first byte of é
+    assert (first.text, first.tokens) == ("a", tokens[:1])
+    second = stream.push(tokens[2:])
+    assert (second.text, second.tokens) == ("é", tokens[1:])
+
+
+def test_every_byte_arrives_once_in_order(byte_tokenizer):
+    text = "Grüße, 世界! 🙂 done"
+    tokens = ids(byte_tokenizer, text)
+    for size in (1, 2, 3, 5):
+        stream = TextStream(byte_tokenizer, ["🙂 x"])
+        out = [stream.push(tokens[i : i + size]).text for i in range(0, len(tokens), size)]
+        out.append(stream.finish().text)
+        assert "".join(out) == text
+        assert all("\ufffd" not in piece for piece in out)
