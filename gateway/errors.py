@@ -8,6 +8,7 @@ from unexpected exceptions, so no response is ever a bare 422 or 500 page.
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -66,16 +67,19 @@ def unsupported(param: str, what: str = "is not supported by this server") -> AP
     return APIError(400, f"`{param}` {what}", param, "unsupported_parameter")
 
 
+TYPE_TAG = re.compile(r"^(str|int|float|bool|none|(list|dict|literal)\[.*\]|function-.*|[A-Z]\w*)$")
+
+
 def param_path(loc: tuple | list) -> str | None:
-    """("body", "messages", 0, "content") -> "messages[0].content"."""
-    parts = [p for p in loc if p not in ("body", "query", "header", "path")]
+    """("body", "messages", 0, "content") -> "messages[0].content".
+
+    Skips the location's root and the union member tags pydantic adds (str, list[int], Model).
+    """
     out = ""
-    for part in parts:
+    for part in loc[1:] if loc and loc[0] in ("body", "query", "header", "path") else loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "list[int]", "list[str]", "list[list[int]]", "function-after"):
-            continue  # union member names pydantic adds to the location
-        else:
+        elif not TYPE_TAG.match(str(part)):
             out += f".{part}" if out else str(part)
     return out or None
 

@@ -26,7 +26,9 @@ class StreamOptions(Strict):
     include_usage: bool = False  # one last chunk with the usage, `choices` empty
 
 
-class ContentPart(Strict):
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")  # other part types are refused by name later
+
     type: str  # only "text" is served
     text: str | None = None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -135,3 +136,28 @@ def live(model_dir: Path, backends: list, **kw) -> LiveGateway:
     drafts = [b.address for b in backends if b.role == "draft"]
     app = create_app(settings(model_dir, targets, drafts, **kw), InProcessFactory(backends))
     return LiveGateway(app)
+
+
+class SlowTarget(InProcessTarget):
+    """A target that takes `delay` seconds per verify, so a test can act mid-stream."""
+
+    delay: float = 0.0
+
+    async def verify(self, call):
+        await asyncio.sleep(self.delay)
+        return await super().verify(call)
+
+
+def slow_target(path: Path, address: str, delay: float, slots: int = 4) -> SlowTarget:
+    engine = load_engine(path, slots)
+    backend = SlowTarget(address, TargetRunner(engine, SessionTable(slots)))
+    backend.delay = delay
+    return backend
+
+
+def wait_until(condition, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)

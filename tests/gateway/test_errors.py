@@ -1,0 +1,174 @@
+"""Every error is {"error": {"message", "type", "param", "code"}} with the right status."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.gateway.helpers import MODEL, live, target
+
+CHAT = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    with live(
+        tiny_dir, [target(tiny_dir)], api_keys="key-1,key-2", max_n=4, max_body_bytes=4096
+    ) as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key="key-2", max_retries=0)
+
+
+def post(server, path: str, content: bytes | str, key: str = "key-1") -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    return httpx.post(server.url + path, content=content, headers=headers)
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_unknown_model_is_404_model_not_found(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-17", messages=CHAT)
+    assert info.value.body["code"] == "model_not_found"
+    assert info.value.body["param"] == "model"
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"n": 5}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 10_000}, "max_tokens"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -0.1}, "frequency_penalty"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"extra_body": {"min_p": 0.1}}, "min_p"),
+    ],
+)
+def test_bad_parameters_are_400_naming_the_parameter(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=CHAT, **kw)
+    assert info.value.status_code == 400
+    assert info.value.body["param"] == param
+    assert info.value.body["type"] == "invalid_request_error"
+
+
+def test_zero_penalties_are_accepted(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2, presence_penalty=0, frequency_penalty=0.0
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL}, "messages"),
+        ({"model": MODEL, "messages": []}, "messages"),
+        ({"messages": CHAT}, "model"),
+        ({"model": MODEL, "messages": [{"role": "user"}], "max_tokens": "x"}, "max_tokens"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ({"model": MODEL, "messages": [{"role": "tool", "content": "1"}]}, "messages[0].role"),
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            },
+            "messages[0].content[0]",
+        ),
+    ],
+)
+def test_validation_errors_are_400_with_param(server, body, param):
+    response = post(server, "/v1/chat/completions", json.dumps(body))
+    assert response.status_code == 400
+    error = error_of(response)
+    assert error["param"] == param, error
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]", b'"text"'])
+def test_bad_json_is_400(server, raw):
+    response = post(server, "/v1/chat/completions", raw)
+    assert response.status_code == 400
+    assert error_of(response)["type"] == "invalid_request_error"
+
+
+def test_missing_or_wrong_key_is_401(server):
+    wrong = OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        wrong.models.list()
+    assert info.value.body["code"] == "invalid_api_key"
+    response = httpx.post(
+        server.url + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT}
+    )
+    assert response.status_code == 401
+    assert error_of(response)["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200  # probes need no key
+    assert httpx.get(server.url + "/metrics").status_code == 200
+
+
+def test_context_length_exceeded(client):
+    long_prompt = "hello " * 200
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=100)
+    assert info.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hello " * 300)
+    assert info.value.body["code"] == "context_length_exceeded"
+
+
+def test_completion_specific_refusals(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="the", echo=True, logprobs=1)
+    assert info.value.body["param"] == "echo"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="the", suffix="x")
+    assert info.value.body["param"] == "suffix"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=[5, 10_000])
+    assert info.value.body["param"] == "prompt[0]"
+
+
+def test_body_over_the_limit_is_413(server):
+    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a" * 5000}]})
+    response = post(server, "/v1/chat/completions", big)
+    assert response.status_code == 413
+    assert error_of(response)["code"] == "request_too_large"
+
+
+def test_unknown_route_and_method_keep_the_shape(server):
+    response = httpx.get(server.url + "/v1/nothing", headers={"authorization": "Bearer key-1"})
+    assert response.status_code == 404
+    error_of(response)
+    response = httpx.get(
+        server.url + "/v1/chat/completions", headers={"authorization": "Bearer key-1"}
+    )
+    assert response.status_code == 405
+    error_of(response)
+
+
+def test_errors_are_counted(server):
+    text = httpx.get(server.url + "/metrics").text
+    assert 'specsplit_requests_total{endpoint="chat",status="400"}' in text
+    assert 'specsplit_requests_total{endpoint="models",status="401"}' in text

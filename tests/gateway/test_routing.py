@@ -1,0 +1,255 @@
+"""Routing and failure handling: failover, lost sessions, degraded rounds, 503/429, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from gateway.metrics import Metrics
+from gateway.pool import Pool, resolve_address
+from tests.gateway.helpers import (
+    MODEL,
+    live,
+    model_draft,
+    slow_target,
+    target,
+    wait_until,
+)
+
+CHAT = [{"role": "user", "content": "one two three four five"}]
+
+
+def client_of(gateway) -> OpenAI:
+    return OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+
+
+def stream_text(client, stop_after: int | None = None, on_chunk=None, **kw) -> str:
+    text = ""
+    for i, chunk in enumerate(client.chat.completions.create(model=MODEL, stream=True, **kw)):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if on_chunk is not None:
+            on_chunk(i)
+    return text
+
+
+def busy_target(gateway):
+    return next(w for w in gateway.gateway.router.targets.workers.values() if w.load > 0)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=7)])
+def test_target_dies_mid_stream_and_the_stream_goes_on(tiny_dir, sampling):
+    backends = [slow_target(tiny_dir, "t0", 0.02), slow_target(tiny_dir, "t1", 0.02)]
+    kw = dict(messages=CHAT, max_tokens=40, extra_body={"top_k": 0}, **sampling)
+    with live(tiny_dir, backends) as gateway:
+        client = client_of(gateway)
+        clean = stream_text(client, **kw)
+        killed = []
+
+        def kill_after_a_few(i: int) -> None:
+            if i == 4 and not killed:
+                worker = busy_target(gateway)
+                worker.backend.stop()
+                killed.append(worker.address)
+
+        faulted = stream_text(client, on_chunk=kill_after_a_few, **kw)
+        assert killed
+        assert faulted == clean
+        metrics = httpx.get(gateway.url + "/metrics").text
+        assert 'specsplit_failovers_total{role="target"} 1.0' in metrics
+
+
+def test_lost_session_is_resent_to_the_same_worker(tiny_dir):
+    backend = slow_target(tiny_dir, "t0", 0.02)
+    with live(tiny_dir, [backend]) as gateway:
+        client = client_of(gateway)
+        kw = dict(
+            messages=CHAT, max_tokens=30, temperature=0, extra_body={"speculation_stats": True}
+        )
+        clean = client.chat.completions.create(model=MODEL, **kw).choices[0].message.content
+        evicted = []
+
+        def evict(i: int) -> None:
+            if i == 3:
+                table = backend.runner.table
+                evicted.extend(list(table.sessions))
+                for sid in list(table.sessions):
+                    table.end(sid)
+
+        assert (
+            stream_text(client, on_chunk=evict, messages=CHAT, max_tokens=30, temperature=0)
+            == clean
+        )
+        assert evicted
+        metrics = httpx.get(gateway.url + "/metrics").text
+        assert 'specsplit_history_resends_total{role="target"} 1.0' in metrics
+
+
+def test_without_a_healthy_draft_the_target_decodes_alone(tiny_dir, tiny_draft_dir):
+    draft = model_draft(tiny_draft_dir)
+    with live(tiny_dir, [target(tiny_dir), draft]) as gateway:
+        client = client_of(gateway)
+        kw = dict(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
+        before = client.chat.completions.create(**kw).choices[0].message.content
+        draft.stop()
+        reply = client.chat.completions.create(extra_body={"speculation_stats": True}, **kw)
+        assert reply.choices[0].message.content == before
+        stats = reply.model_extra["speculation_stats"]
+        assert stats["draft_tokens"] == 0 and stats["verify_steps"] == 20
+        assert stats["degraded_rounds"] == 19  # the last round wants no draft (1 token left)
+        wait_until(lambda: httpx.get(gateway.url + "/health").status_code == 503, what="health 503")
+        assert "specsplit_degraded_rounds_total" in httpx.get(gateway.url + "/metrics").text
+
+
+def test_no_healthy_target_is_503_with_retry_after(tiny_dir):
+    backend = target(tiny_dir)
+    with live(tiny_dir, [backend]) as gateway:
+        backend.stop()
+        wait_until(lambda: httpx.get(gateway.url + "/health").status_code == 503, what="health 503")
+        response = httpx.post(
+            gateway.url + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT}
+        )
+        assert response.status_code == 503
+        assert int(response.headers["retry-after"]) >= 1
+        assert response.json()["error"]["code"] == "no_healthy_target"
+
+
+def test_too_many_sessions_is_429_with_retry_after(tiny_dir):
+    with live(tiny_dir, [slow_target(tiny_dir, "t0", 0.05)], max_sessions=1) as gateway:
+        client = client_of(gateway)
+        stream = client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=30, temperature=0, stream=True
+        )
+        next(iter(stream))
+        response = httpx.post(
+            gateway.url + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT}
+        )
+        assert response.status_code == 429
+        assert response.headers["retry-after"]
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=MODEL, prompt="the", max_tokens=2)
+        stream.close()
+
+
+def test_disconnect_ends_the_sessions_on_both_workers(tiny_dir, tiny_draft_dir):
+    t0 = slow_target(tiny_dir, "t0", 0.05)
+    d0 = model_draft(tiny_draft_dir)
+    with live(tiny_dir, [t0, d0]) as gateway:
+        client = client_of(gateway)
+        stream = client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=60, temperature=0, stream=True
+        )
+        chunks = iter(stream)
+        for _ in range(3):
+            next(chunks)
+        assert len(t0.runner.table) == 1 and len(d0.drafter.table) == 1
+        stream.close()
+        wait_until(
+            lambda: len(t0.runner.table) == 0 and len(d0.drafter.table) == 0,
+            what="sessions ended on both workers",
+        )
+        wait_until(lambda: gateway.gateway.router.live == 0, what="no live sessions")
+        assert "specsplit_live_sessions 0.0" in httpx.get(gateway.url + "/metrics").text
+
+
+def test_non_streaming_disconnect_cancels_generation(tiny_dir):
+    t0 = slow_target(tiny_dir, "t0", 0.05)
+    with live(tiny_dir, [t0]) as gateway:
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 200, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=0.5)
+        wait_until(lambda: gateway.gateway.router.live == 0, what="generation cancelled")
+        wait_until(lambda: len(t0.runner.table) == 0, what="session ended")
+
+
+def test_conversation_affinity_reuses_the_cached_prefix(tiny_dir):
+    backends = [target(tiny_dir, "t0"), target(tiny_dir, "t1")]
+    with live(tiny_dir, backends) as gateway:
+        client = client_of(gateway)
+        messages = list(CHAT)
+        hits, holders = [], []
+        for turn in range(3):
+            reply = client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=6,
+                temperature=0,
+                extra_headers={"X-Session-ID": "conversation-1"},
+                extra_body={"speculation_stats": True},
+            )
+            hits.append(reply.model_extra["speculation_stats"]["prefix_hit_tokens"])
+            holders.append([b.address for b in backends if len(b.runner.table)])
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": f"turn {turn}"},
+            ]
+        assert hits[0] == 0 and hits[1] > 0 and hits[2] > hits[1]
+        assert holders[0] == holders[1] == holders[2] and len(holders[0]) == 1
+        assert "specsplit_prefix_cache_hits_total 2.0" in httpx.get(gateway.url + "/metrics").text
+
+
+def test_least_loaded_target_first(tiny_dir):
+    backends = [slow_target(tiny_dir, "t0", 0.05), slow_target(tiny_dir, "t1", 0.05)]
+    with live(tiny_dir, backends) as gateway:
+        client = client_of(gateway)
+        streams = [
+            client.chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=30, temperature=0, stream=True
+            )
+            for _ in range(2)
+        ]
+        for stream in streams:
+            next(iter(stream))
+        loads = sorted(w.load for w in gateway.gateway.router.targets.workers.values())
+        assert loads == [1, 1]
+        for stream in streams:
+            stream.close()
+
+
+class FakeBackend:
+    role = "target"
+
+    def __init__(self, address: str):
+        self.address = address
+
+    async def health(self) -> bool:
+        return True
+
+    async def info(self):
+        return None
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_dns_names_are_re_resolved():
+    answers = {"targets.svc:50061": ["10.0.0.1:50061", "10.0.0.2:50061"]}
+
+    async def resolver(address: str) -> list[str]:
+        return answers[address]
+
+    pool = Pool(
+        "target", ["targets.svc:50061"], lambda r, a: FakeBackend(a), Metrics(), resolver=resolver
+    )
+    await pool.refresh()
+    await pool.check_all()
+    assert sorted(pool.workers) == ["10.0.0.1:50061", "10.0.0.2:50061"]
+    assert all(w.serving for w in pool.workers.values())
+    answers["targets.svc:50061"] = ["10.0.0.2:50061", "10.0.0.3:50061"]  # a pod replaced
+    await pool.refresh()
+    assert sorted(pool.workers) == ["10.0.0.2:50061", "10.0.0.3:50061"]
+    await pool.close()
+
+
+async def test_resolve_address():
+    assert await resolve_address("localhost:7") == ["127.0.0.1:7"]
+    assert await resolve_address("10.1.2.3:7") == ["10.1.2.3:7"]
+    assert await resolve_address("[::1]:7") == ["[::1]:7"]
+    assert await resolve_address("t0") == ["t0"]
+    with pytest.raises(OSError):
+        await resolve_address("no-such-host.invalid:7")
+    assert asyncio.get_running_loop()
