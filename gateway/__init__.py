@@ -1,0 +1,28 @@
+"""The OpenAI-compatible gateway: HTTP in, the speculation loop over worker pools out.
+
+One file per concern, in the order a request meets them:
+
+    app.py          create_app(settings, backend_factory): lifespan, middleware, routes
+    routes.py       handlers that only dispatch; API-key check
+    schemas.py      request bodies; unsupported parameters refused by name
+    errors.py       the OpenAI error shape for every failure
+    service.py      Gateway: shared state on app.state, one method per endpoint
+    prompts.py      chat template / prompts -> token ids; limits and context checks
+    generation.py   the one generator of deltas (all choices of a request)
+    speculation.py  one choice's loop: propose -> verify -> commit -> emit, failover
+    text.py         incremental detokenizer, stop strings (both hold text back)
+    responses.py    deltas -> stream chunks (SSE) or one collected response
+    pool.py         worker pools (health, DNS), the router (least loaded, affinity)
+    backend.py      the Backend protocol a worker implements, and its errors
+    inprocess.py    backends in this process (tests, the in-gateway n-gram draft)
+    grpc_backend.py backends over gRPC (workers.rpc.client)
+    metrics.py      Prometheus metrics on the app's own registry; PromQL
+    settings.py     GatewaySettings (flags = SPECSPLIT_ environment variables)
+    main.py         `specsplit gateway`
+    serve.py        `specsplit serve`: workers as child processes + the gateway
+
+The n-gram draft runs inside the gateway by default: prompt lookup needs only
+the history the gateway already owns, so a draft worker would add a network
+hop per round and a process to deploy for microseconds of work. Model drafts
+run in draft workers (`--draft-addresses`).
+"""

@@ -43,7 +43,7 @@ def create_app(settings: GatewaySettings, backend_factory: BackendFactory | None
         if factory is None:
             from gateway.grpc_backend import GrpcFactory
 
-            factory = GrpcFactory()
+            factory = GrpcFactory(settings.rpc_timeout_s)
         app.state.gateway = await Gateway.start(settings, factory, metrics)
         try:
             yield

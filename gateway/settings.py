@@ -37,6 +37,7 @@ class GatewayOptions(BaseSettings):
     dns_refresh_s: float = Field(
         30.0, ge=0, description="seconds between re-resolving worker names; 0 = never"
     )
+    rpc_timeout_s: float = Field(60.0, gt=0, description="deadline of one propose or verify call")
     affinity_entries: int = Field(10_000, ge=0, description="conversations remembered for routing")
     log_level: str = Field("info", description="debug, info, warning or error")
 

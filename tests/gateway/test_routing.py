@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -253,3 +254,38 @@ async def test_resolve_address():
     with pytest.raises(OSError):
         await resolve_address("no-such-host.invalid:7")
     assert asyncio.get_running_loop()
+
+
+def test_failure_mid_stream_ends_with_an_error_event(tiny_dir):
+    backend = slow_target(tiny_dir, "t0", 0.02)
+    with live(tiny_dir, [backend]) as gateway:
+        url = gateway.url + "/v1/chat/completions"
+        body = {
+            "model": MODEL,
+            "messages": CHAT,
+            "max_tokens": 40,
+            "temperature": 0,
+            "stream": True,
+        }
+        events = []
+        with httpx.stream("POST", url, json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+                    if len(events) == 3:
+                        backend.stop()
+        last = json.loads(events[-1])
+        assert set(last) == {"error"}
+        assert last["error"]["code"] == "no_healthy_target"
+        assert "[DONE]" not in events
+        backend.alive = True  # back up: now the same through the SDK, which raises it
+        wait_until(lambda: httpx.get(gateway.url + "/health").status_code == 200, what="health")
+        stream = client_of(gateway).chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=40, temperature=0, stream=True
+        )
+        with pytest.raises(openai.APIError) as info:
+            for i, _ in enumerate(stream):
+                if i == 2:
+                    backend.stop()
+        assert info.value.body["code"] == "no_healthy_target"

@@ -1,0 +1,215 @@
+"""`specsplit serve`: workers and gateway together on this machine.
+
+    specsplit serve                                  # SmolLM2 target, n-gram draft
+    specsplit serve --targets 2 --draft-model smollm2-135m-draft --drafts 1
+
+Starts `--targets` target workers (and `--drafts` draft workers for a model
+draft) as child processes (`specsplit worker ...` on free ports), then the
+gateway in this process; prints `SpecSplit ready: http://HOST:PORT/v1` once
+every worker is serving, and stops them all on Ctrl-C or SIGTERM. Children
+also die with this process (PR_SET_PDEATHSIG) if it is killed.
+
+`--draft-model ngram` (the default) runs the prompt-lookup draft inside the
+gateway: it needs nothing but the history the gateway already owns, so a
+draft worker would only add a network hop per round and a process to run.
+`--draft-model none` decodes with the target alone.
+
+`--state-file PATH` writes the gateway URL and each worker's role, address
+and pid as JSON once ready (for tests and tooling; off by default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from pydantic import Field
+
+from gateway.app import create_app
+from gateway.main import configure_logging
+from gateway.settings import GatewayOptions, GatewaySettings
+from workers.settings import parse, settings_config
+
+log = logging.getLogger("specsplit.serve")
+
+PR_SET_PDEATHSIG = 1
+
+
+class ServeSettings(GatewayOptions):
+    model_config = settings_config("serve")
+
+    host: str = Field("127.0.0.1", description="address the gateway listens on")
+    port: int = Field(8000, ge=0, le=65535, description="gateway port; 0 = any free port")
+    draft_model: str = Field(
+        "ngram", description="'ngram' (in the gateway), 'none', or a model for draft workers"
+    )
+    targets: int = Field(1, ge=1, description="target worker processes")
+    drafts: int = Field(1, ge=1, description="draft worker processes (with a draft model)")
+    worker_max_sessions: int = Field(8, ge=1, description="sessions each worker holds at once")
+    max_seq_len: int = Field(2048, ge=2, description="most tokens per session")
+    device: str = Field("cpu", description="torch device of the workers")
+    dtype: str = Field("float32", description="float32, bfloat16 or float16")
+    state_file: Path | None = Field(
+        None, description="write the gateway URL and workers' addresses and pids here (JSON)"
+    )
+    startup_timeout_s: float = Field(600.0, gt=0, description="most seconds to wait for workers")
+
+    @property
+    def draft_workers(self) -> int:
+        return 0 if self.draft_model in ("ngram", "none") else self.drafts
+
+
+@dataclass
+class Child:
+    role: str
+    address: str
+    pid: int
+    process: subprocess.Popen
+
+    def summary(self) -> dict:
+        return {"role": self.role, "address": self.address, "pid": self.pid}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when this process dies."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_worker(role: str, model: str, s: ServeSettings) -> Child:
+    port = free_port()
+    command = [sys.executable, "-m", "workers.cli", "worker", role, "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--model", model, "--metrics-port", "0"]
+    command += ["--max-sessions", str(s.worker_max_sessions), "--max-seq-len", str(s.max_seq_len)]
+    command += ["--device", s.device, "--dtype", s.dtype]
+    preexec = die_with_parent if sys.platform.startswith("linux") else None
+    process = subprocess.Popen(command, preexec_fn=preexec)  # noqa: PLW1509 - prctl only
+    log.info("started %s worker pid %d on 127.0.0.1:%d", role, process.pid, port)
+    return Child(role, f"127.0.0.1:{port}", process.pid, process)
+
+
+def stop_workers(children: list[Child], grace_s: float = 15.0) -> None:
+    """SIGTERM (workers drain), then SIGKILL whoever is still there after grace_s."""
+    for child in children:
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s worker pid %d did not stop: killed", child.role, child.pid)
+            child.process.kill()
+            child.process.wait()
+
+
+class Server(uvicorn.Server):
+    """uvicorn without its own signal handling: `serve` owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def gateway_settings(s: ServeSettings, children: list[Child], port: int) -> GatewaySettings:
+    options = {name: getattr(s, name) for name in GatewayOptions.model_fields}
+    return GatewaySettings(
+        **options,
+        host=s.host,
+        port=port,
+        target_addresses=",".join(c.address for c in children if c.role == "target"),
+        draft_addresses=",".join(c.address for c in children if c.role == "draft"),
+        local_draft="ngram" if s.draft_model == "ngram" else "none",
+    )
+
+
+async def wait_ready(app, server: Server, children: list[Child], stop: asyncio.Event, timeout_s):
+    """True once every worker serves; False on a stop signal; raises when a worker exits."""
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set():
+        for child in children:
+            if child.process.poll() is not None:
+                raise RuntimeError(
+                    f"{child.role} worker pid {child.pid} exited with {child.process.returncode}"
+                )
+        gateway = getattr(app.state, "gateway", None)
+        if server.started and gateway is not None:
+            pools = [p for p in (gateway.router.targets, gateway.router.drafts) if p is not None]
+            if all(w.serving for p in pools for w in p.workers.values()):
+                return True
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"workers not serving after {timeout_s:.0f} s")
+        await asyncio.sleep(0.2)
+    return False
+
+
+async def serve(s: ServeSettings) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    server: Server | None = None
+
+    def on_signal(sig: int) -> None:
+        stop.set()
+        if server is not None:
+            server.handle_exit(sig, None)  # also tells sse-starlette to end open streams
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    children: list[Child] = []
+    try:
+        children += [start_worker("target", s.target_model, s) for _ in range(s.targets)]
+        children += [start_worker("draft", s.draft_model, s) for _ in range(s.draft_workers)]
+        port = s.port or free_port(s.host)
+        app = create_app(gateway_settings(s, children, port))
+        config = uvicorn.Config(
+            app, host=s.host, port=port, log_level=s.log_level.lower(), timeout_graceful_shutdown=5
+        )
+        server = Server(config)
+        serving = asyncio.create_task(server.serve())
+        try:
+            ready = await wait_ready(app, server, children, stop, s.startup_timeout_s)
+        except RuntimeError as error:
+            log.error("%s", error)
+            server.should_exit = True
+            await serving
+            return 1
+        if ready:
+            url = f"http://{s.host}:{port}/v1"
+            if s.state_file is not None:
+                state = {"url": url, "pid": os.getpid(), "workers": [c.summary() for c in children]}
+                s.state_file.write_text(json.dumps(state, indent=2))
+            print(f"SpecSplit ready: {url}", flush=True)
+        await asyncio.wait(
+            [serving, asyncio.create_task(stop.wait())], return_when="FIRST_COMPLETED"
+        )
+        server.should_exit = True
+        await serving
+        return 0
+    finally:
+        stop_workers(children)
+        log.info("stopped")
+
+
+def main(argv: list[str]) -> None:
+    settings = parse(ServeSettings, argv)
+    configure_logging(settings.log_level)
+    sys.exit(asyncio.run(serve(settings)))

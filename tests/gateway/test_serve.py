@@ -1,0 +1,222 @@
+"""`specsplit serve`: real worker processes, real gRPC, the openai client.
+
+The embedded tests share one server on SmolLM2 (two target workers, the
+in-gateway n-gram draft); the target-killing one runs last. The last test
+runs serve on tiny models with a draft worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+import torch
+from openai import OpenAI
+
+from gateway.grpc_backend import GrpcBackend
+from tests.gateway.helpers import free_port, wait_until
+
+MODEL = "smollm2-135m-instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+STORY = [{"role": "user", "content": "Tell me a short story about a cat and a dog."}]
+
+
+class Serve:
+    """`specsplit serve` in a subprocess; its output is drained by a thread."""
+
+    def __init__(self, tmp_path, *args: str):
+        self.port = free_port()
+        self.state_file = tmp_path / "serve-state.json"
+        command = [sys.executable, "-m", "workers.cli", "serve", "--port", str(self.port)]
+        command += ["--state-file", str(self.state_file), "--health-interval-s", "0.5", *args]
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self.drain, daemon=True).start()
+
+    def drain(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+            if line.startswith("SpecSplit ready: "):
+                self.ready.set()
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        if not self.ready.wait(timeout):
+            self.stop()
+            raise AssertionError("serve did not get ready:\n" + "".join(self.lines[-40:]))
+
+    @property
+    def state(self) -> dict:
+        return json.loads(self.state_file.read_text())
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(60)
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory):
+    server = Serve(tmp_path_factory.mktemp("serve"), "--targets", "2")
+    server.wait_ready()
+    yield server
+    pids = [w["pid"] for w in server.state["workers"]]
+    assert server.stop() == 0
+    for pid in pids:  # every worker is gone with it
+        wait_until(lambda pid=pid: not alive(pid), 30, f"worker {pid} to exit")
+
+
+@pytest.fixture(scope="module")
+def client(serve) -> OpenAI:
+    return OpenAI(base_url=serve.state["url"], api_key="unused", max_retries=0, timeout=120)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is not alive
+        return f.read().split()[2] != "Z"
+
+
+def live_sessions(address: str) -> int:
+    async def ask() -> int:
+        backend = GrpcBackend("target", address)
+        try:
+            return (await backend.info()).live_sessions
+        finally:
+            await backend.close()
+
+    return asyncio.run(ask())
+
+
+def stream_text(client, on_chunk=None, **kw) -> str:
+    text = ""
+    stream = client.chat.completions.create(model=MODEL, stream=True, **kw)
+    for i, chunk in enumerate(stream):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if on_chunk is not None:
+            on_chunk(i)
+    return text
+
+
+@pytest.mark.embedded
+def test_greedy_chat_equals_transformers(client, embedded_hf, embedded_tokenizer):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=24, temperature=0
+    )
+    prompt = embedded_tokenizer.apply_chat_template(
+        QUESTION, add_generation_prompt=True, tokenize=False
+    )
+    ids = embedded_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        out = embedded_hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+    expected = embedded_tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
+    assert reply.choices[0].message.content == expected
+    assert "Paris" in expected
+
+
+@pytest.mark.embedded
+def test_disconnected_client_leaves_no_live_sessions(serve, client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=STORY, max_tokens=200, temperature=0, stream=True
+    )
+    chunks = iter(stream)
+    for _ in range(3):
+        next(chunks)
+    addresses = [w["address"] for w in serve.state["workers"] if w["role"] == "target"]
+    assert sum(live_sessions(a) for a in addresses) == 1
+    stream.close()
+    wait_until(lambda: sum(live_sessions(a) for a in addresses) == 0, 30, "sessions to end")
+
+
+@pytest.mark.embedded
+def test_metrics_after_traffic(serve, client):
+    client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=16, temperature=0)
+    text = httpx.get(serve.state["url"].removesuffix("/v1") + "/metrics").text
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert values["specsplit_draft_tokens_total"] > 0
+    assert values["specsplit_accepted_tokens_total"] > 0
+    assert values["specsplit_time_to_first_token_seconds_count"] > 0
+    assert values["specsplit_verify_steps_total"] > 0
+
+
+@pytest.mark.embedded
+def test_killing_a_target_mid_stream_loses_nothing(serve, client):
+    kw = dict(messages=STORY, max_tokens=48, temperature=0)
+    clean = stream_text(client, **kw)
+    health_url = serve.state["url"].removesuffix("/v1") + "/health"
+    pids = {w["address"]: w["pid"] for w in serve.state["workers"]}
+    killed = []
+
+    def kill_busy_target(i: int) -> None:
+        if i == 4 and not killed:
+            workers = httpx.get(health_url).json()["workers"]["target"]
+            busy = next(w["address"] for w in workers if w["load"] > 0)
+            os.kill(pids[busy], signal.SIGKILL)
+            killed.append(busy)
+
+    faulted = stream_text(client, on_chunk=kill_busy_target, **kw)
+    assert killed
+    assert faulted == clean
+    wait_until(
+        lambda: (
+            not next(
+                w["up"]
+                for w in httpx.get(health_url).json()["workers"]["target"]
+                if w["address"] == killed[0]
+            )
+        ),
+        10,
+        "the killed target to be marked down",
+    )
+    metrics = httpx.get(health_url.removesuffix("/health") + "/metrics").text
+    assert 'specsplit_failovers_total{role="target"} 1.0' in metrics
+
+
+def test_serve_with_draft_workers_on_tiny_models_and_ctrl_c(tmp_path, tiny_dir, tiny_draft_dir):
+    """Not embedded: a tiny target and a tiny draft worker over gRPC; Ctrl-C stops everything."""
+    server = Serve(
+        tmp_path,
+        "--target-model",
+        str(tiny_dir),
+        "--served-model-name",
+        "tiny",
+        "--draft-model",
+        str(tiny_draft_dir),
+    )
+    try:
+        server.wait_ready(120)
+        roles = sorted(w["role"] for w in server.state["workers"])
+        assert roles == ["draft", "target"]
+        client = OpenAI(base_url=server.state["url"], api_key="x", max_retries=0)
+        reply = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "one two three"}],
+            max_tokens=24,
+            temperature=0,
+            extra_body={"speculation_stats": True},
+        )
+        stats = reply.model_extra["speculation_stats"]
+        assert stats["accepted_tokens"] > 0 and stats["degraded_rounds"] == 0
+        pids = [w["pid"] for w in server.state["workers"]]
+    finally:
+        server.process.send_signal(signal.SIGINT)
+        code = server.process.wait(60)
+    assert code == 0
+    for pid in pids:
+        wait_until(lambda pid=pid: not alive(pid), 30, f"worker {pid} to exit")
