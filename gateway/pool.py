@@ -205,6 +205,10 @@ class Admission:
     n: int
     released: bool = False
 
+    async def arelease(self) -> None:
+        """For a response's background task, which runs sync callables in a thread."""
+        self.release()
+
     def release(self) -> None:
         if not self.released:
             self.released = True

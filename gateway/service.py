@@ -108,16 +108,16 @@ class Gateway:
         return {"object": "list", "data": [model]}
 
     def health(self) -> JSONResponse:
-        pools = {"target": self.router.targets, "draft": self.router.drafts}
-        workers = {
-            role: [
-                {"address": w.address, "up": w.serving, "load": w.load} for w in p.workers.values()
-            ]
+        """200 when a target and a draft serve (or the draft is in-gateway or off); counts only."""
+        router = self.router
+        pools = {"targets": router.targets, "drafts": router.drafts}
+        counts = {
+            role: {"serving": len(p.serving()), "configured": len(p.workers)}
             for role, p in pools.items()
             if p is not None
         }
-        healthy = self.router.healthy()
-        body = {"status": "ok" if healthy else "unavailable", "workers": workers}
+        healthy = router.healthy()
+        body = {"status": "ok" if healthy else "unavailable", **counts}
         return JSONResponse(body, status_code=200 if healthy else 503)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -190,7 +190,7 @@ class Gateway:
             return EventSourceResponse(
                 sse(fmt.chunks(deltas, record)),
                 sep="\n",
-                background=BackgroundTask(admission.release),
+                background=BackgroundTask(admission.arelease),
             )
         try:
             return await until_disconnected(request, fmt.collect(deltas, record))

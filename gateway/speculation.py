@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, fields, replace
 
-from gateway.backend import InvalidCall, SessionLost, WorkerBusy, WorkerError
+from gateway.backend import InvalidCall, Role, SessionLost, WorkerBusy, WorkerError
 from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.pool import Router, Worker
@@ -238,10 +238,14 @@ class Speculation:
             spec, depth=depth, budget=budget, temperature=params.temperature, seed=params.seed
         )
 
-    def bind(self, role: str, tried: set[str]) -> Worker | None:
+    def bind(self, role: Role, tried: set[str]) -> Worker | None:
+        """Binds the choice to a new worker of the role, which holds nothing of it yet."""
         worker = self.router.bind(role, self.plan.affinity, tried)
         if worker is not None:
-            setattr(self, role, Binding(worker, 0))
+            if role == "draft":
+                self.draft = Binding(worker, 0)
+            else:
+                self.target = Binding(worker, 0)
         return worker
 
     def resend(self, binding: Binding, error: SessionLost, tried: set[str]) -> None:
