@@ -112,16 +112,11 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > self.max_bytes:  # a body without Content-Length
                     raise too_large
             return message
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except APIError as error:
-            if error is not too_large:
-                raise
-            await reply(send, too_large)
+        await self.app(scope, limited_receive, send)
 
 
 async def reply(send: Send, error: APIError) -> None:

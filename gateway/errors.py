@@ -29,7 +29,10 @@ TYPES = {
 }
 
 
-class APIError(Exception):
+class APIError(StarletteHTTPException):
+    """An HTTP error in the OpenAI shape. An HTTPException, so that FastAPI passes it on
+    unchanged from anywhere, the reading of the request body included."""
+
     def __init__(
         self,
         status: int,
@@ -38,7 +41,7 @@ class APIError(Exception):
         code: str | None = None,
         retry_after: int | None = None,
     ):
-        super().__init__(message)
+        super().__init__(status, message)
         self.status = status
         self.message = message
         self.param = param

@@ -255,6 +255,10 @@ class Router:
                 503, "no healthy target worker", None, "no_healthy_target", self.retry_after_s
             )
         capacity = min(self.max_sessions, sum(w.capacity for w in targets))
+        if n > capacity:
+            raise APIError(
+                400, f"the request needs {n} sessions; this server holds {int(capacity)}", "n"
+            )
         if self.live + n > capacity:
             raise APIError(
                 429,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from gateway.errors import APIError
 from gateway.generation import Delta, Record
+from gateway.text import TokenText
 from workers.target.runner import TokenLogprob
 
 log = logging.getLogger("specsplit.gateway")
@@ -53,6 +54,7 @@ class Format:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
+        self.tokens = TokenText(self.tokenizer)
         if not self.id:
             self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
 
@@ -75,7 +77,7 @@ class Format:
         )
 
     def token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False)
+        return self.tokens(token)[0]
 
     # --- logprobs ---------------------------------------------------------
 
@@ -93,8 +95,8 @@ class Format:
 
     def chat_logprob(self, lp: TokenLogprob) -> dict:
         def entry(token: int, logprob: float) -> dict:
-            text = self.token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            text, data = self.tokens(token)
+            return {"token": text, "logprob": logprob, "bytes": data}
 
         return {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top]}
 

@@ -15,11 +15,58 @@ out, each with the tokens whose text it completes (for logprobs).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from functools import cache
 
 from workers.target.runner import TokenLogprob
 
 REPLACEMENT = "\ufffd"
+
+
+@cache
+def byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable stand-in of each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def is_byte_level(tokenizer) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    kinds = [d.get("type") for d in decoder.get("decoders", [decoder])]
+    return "ByteLevel" in kinds
+
+
+class TokenText:
+    """The text and the exact bytes of single tokens (for logprobs)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.byte_level = is_byte_level(tokenizer)
+        self.cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token: int) -> tuple[str, list[int]]:
+        if token not in self.cache:
+            text = self.tokenizer.decode([token], skip_special_tokens=False)
+            data = list(text.encode())
+            piece = self.tokenizer.convert_ids_to_tokens(token)
+            table = byte_of_char()
+            special = token in getattr(self.tokenizer, "all_special_ids", ())
+            if self.byte_level and not special and piece and all(ch in table for ch in piece):
+                data = [table[ch] for ch in piece]  # a token may hold part of a character
+            self.cache[token] = (text, data)
+        return self.cache[token]
 
 
 class IncrementalDetokenizer:

@@ -172,3 +172,25 @@ def test_errors_are_counted(server):
     text = httpx.get(server.url + "/metrics").text
     assert 'specsplit_requests_total{endpoint="chat",status="400"}' in text
     assert 'specsplit_requests_total{endpoint="models",status="401"}' in text
+
+
+def test_chunked_body_over_the_limit_is_413(server):
+    def chunks():
+        yield b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"a" * 1000
+        yield b'"}]}'
+
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=chunks(),
+        headers={"authorization": "Bearer key-1", "content-type": "application/json"},
+    )
+    assert response.status_code == 413
+    assert error_of(response)["code"] == "request_too_large"
+
+
+def test_more_choices_than_the_server_holds_is_400(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=["the"] * 3, n=2, max_tokens=2)
+    assert info.value.body["param"] == "n"

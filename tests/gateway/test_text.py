@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from gateway.text import IncrementalDetokenizer, StopStrings, TextStream
+from gateway.text import IncrementalDetokenizer, StopStrings, TextStream, TokenText
 from tests.gateway.helpers import word_tokenizer
 
 
@@ -139,3 +139,16 @@ def test_every_byte_arrives_once_in_order(byte_tokenizer):
         out.append(stream.finish().text)
         assert "".join(out) == text
         assert all("\ufffd" not in piece for piece in out)
+
+
+def test_token_bytes_of_byte_level_tokens(byte_tokenizer):
+    tokens = ids(byte_tokenizer, "é!")
+    text = TokenText(byte_tokenizer)
+    assert [text(t)[1] for t in tokens] == [[0xC3], [0xA9], [ord("!")]]
+    assert text(tokens[2]) == ("!", [ord("!")])
+
+
+def test_token_bytes_of_word_tokens():
+    tokenizer = word_tokenizer()
+    (token,) = ids(tokenizer, "café")
+    assert TokenText(tokenizer)(token) == ("café", list("café".encode()))
