@@ -137,11 +137,11 @@ class Speculation:
 
     async def propose(self) -> tuple[TokenTree, bool]:
         """The draft's tree after the history, and whether the round is degraded."""
+        if self.target.worker is None:  # bound first: the tree must fit its limits
+            self.bind("target", set())
         spec = self.tree_spec()
         if spec is None:
             return TokenTree.empty(), False
-        if self.target.worker is None:  # bound first: the tree must fit its limits
-            self.bind("target", set())
         tried: set[str] = set()
         for _ in range(ATTEMPTS + len(self.router.drafts.workers)):
             worker = self.draft.worker or self.bind("draft", tried)
