@@ -1,0 +1,190 @@
+"""Cross-session batching: concurrent calls merged into one runner step on one thread.
+
+The engine and the session table are not thread-safe, so everything that
+touches them runs on one `EngineThread`. A `Batcher` queues the calls that
+arrive from many gRPC handlers and hands them to the runner's batched step
+(`TargetRunner.verify(calls)`, `ModelDrafter.propose(calls)`) as one list:
+
+    arrive -> queue -> [wait until the first call is batch_wait old, or the
+    queue holds max_tokens] -> take calls up to max_tokens -> step(calls) on
+    the engine thread -> each caller gets its own result or exception
+
+Calls that queued while the previous step ran are already old enough, so
+under load batches form without any added wait. A session appears at most
+once per batch; a second call of the same session waits for the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from workers.rpc.convert import Timings
+
+log = logging.getLogger(__name__)
+
+C = TypeVar("C")  # a call (VerifyCall, ProposeCall)
+R = TypeVar("R")  # its result (VerifyOutcome, TokenTree)
+
+
+class EngineThread:
+    """The one thread that runs forwards and touches the session table."""
+
+    def __init__(self, name: str = "engine"):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, fn: Callable, *args, **kwargs):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """One step, for metrics."""
+
+    size: int  # calls in the batch
+    cost: int  # their summed cost (tokens)
+    queue_ns: list[int]  # per call: arrival -> step start
+    forward_ns: int  # the step's duration
+
+
+@dataclass
+class _Queued(Generic[C]):
+    call: C
+    key: str
+    cost: int
+    arrived_ns: int
+    future: asyncio.Future
+
+
+class Batcher(Generic[C, R]):
+    def __init__(
+        self,
+        step: Callable[[list[C]], Sequence[R | Exception]],
+        thread: EngineThread,
+        *,
+        key: Callable[[C], str],
+        cost: Callable[[C], int],
+        wait_s: float = 0.002,
+        max_tokens: int = 2048,
+        on_batch: Callable[[BatchReport], None] = lambda report: None,
+    ):
+        self.step = step  # the runner's batched method; one result or exception per call
+        self.thread = thread
+        self.key = key  # the session of a call; one call per session per batch
+        self.cost = cost  # the tokens a call feeds, roughly
+        self.wait_ns = int(wait_s * 1e9)  # most a call waits for others to join its batch
+        self.max_tokens = max_tokens  # a batch stops growing at this summed cost
+        self.on_batch = on_batch
+        self.batches = 0  # steps run
+        self.largest = 0  # most calls in one step
+        self._queue: deque[_Queued[C]] = deque()
+        self._queued_cost = 0
+        self._ready = asyncio.Event()  # the queue is not empty
+        self._full = asyncio.Event()  # the queue holds max_tokens
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="batcher")
+
+    def drain(self) -> None:
+        """From now on run queued calls at once, without waiting for others to join."""
+        self.wait_ns = 0
+        self._full.set()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for q in self._queue:
+            if not q.future.done():
+                q.future.set_exception(RuntimeError("the worker is shutting down"))
+        self._queue.clear()
+
+    async def submit(self, call: C) -> tuple[R, Timings]:
+        """Queues one call; returns its result and timings, or raises its exception."""
+        future = asyncio.get_running_loop().create_future()
+        cost = max(1, self.cost(call))
+        self._queue.append(_Queued(call, self.key(call), cost, time.perf_counter_ns(), future))
+        self._queued_cost += cost
+        self._ready.set()
+        if self._queued_cost >= self.max_tokens:
+            self._full.set()
+        return await future
+
+    async def _run(self) -> None:
+        while True:
+            await self._ready.wait()
+            if not self._queue:
+                self._ready.clear()
+                continue
+            try:
+                await self._gather()
+                batch = self._take()
+                if batch:
+                    await self._step(batch)
+            except Exception:  # noqa: BLE001 - the queue must outlive any bug in one step
+                log.exception("batch step failed")
+
+    async def _gather(self) -> None:
+        """Waits until the oldest call is wait_ns old or the queue is full."""
+        left_ns = self._queue[0].arrived_ns + self.wait_ns - time.perf_counter_ns()
+        if left_ns <= 0 or self._queued_cost >= self.max_tokens:
+            return
+        self._full.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._full.wait(), left_ns / 1e9)
+
+    def _take(self) -> list[_Queued[C]]:
+        """The oldest calls up to max_tokens (at least one), one per session."""
+        batch: list[_Queued[C]] = []
+        keys: set[str] = set()
+        cost = 0
+        rest: deque[_Queued[C]] = deque()
+        while self._queue:
+            q = self._queue.popleft()
+            if q.future.done():  # the caller went away (cancelled, deadline)
+                self._queued_cost -= q.cost
+            elif q.key in keys or (batch and cost + q.cost > self.max_tokens):
+                rest.append(q)
+            else:
+                batch.append(q)
+                keys.add(q.key)
+                cost += q.cost
+                self._queued_cost -= q.cost
+        self._queue = rest
+        if not self._queue:
+            self._ready.clear()
+        return batch
+
+    async def _step(self, batch: list[_Queued[C]]) -> None:
+        start = time.perf_counter_ns()
+        try:
+            results = await self.thread.run(self.step, [q.call for q in batch])
+        except Exception as error:  # noqa: BLE001 - the whole step failed: every call gets it
+            log.exception("batch of %d calls failed", len(batch))
+            results = [error] * len(batch)
+        forward_ns = time.perf_counter_ns() - start
+        self.batches += 1
+        self.largest = max(self.largest, len(batch))
+        for q, result in zip(batch, results, strict=True):
+            if q.future.done():
+                continue
+            if isinstance(result, Exception):
+                q.future.set_exception(result)
+            else:
+                q.future.set_result((result, Timings(start - q.arrived_ns, forward_ns, len(batch))))
+        queue_ns = [start - q.arrived_ns for q in batch]
+        self.on_batch(BatchReport(len(batch), sum(q.cost for q in batch), queue_ns, forward_ns))

@@ -1,0 +1,252 @@
+"""Protobuf messages <-> the runners' dataclasses; shared by the servers and the clients.
+
+Every `*_from_proto` function validates what the wire cannot (lengths that
+must agree, parameter ranges, tree structure) and raises ValueError / TreeError,
+which the workers answer with INVALID_ARGUMENT. Vocabulary and budget checks
+need the worker's model and stay in the runners.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from proto.specsplit.v1 import specsplit_pb2 as pb
+from workers.draft.runner import ProposeCall, TreeSpec
+from workers.spec.sampling import SamplingParams
+from workers.spec.tree import TokenTree, TreeError
+from workers.target.runner import TokenLogprob, VerifyCall, VerifyOutcome
+
+ROLES = {"draft": pb.ROLE_DRAFT, "target": pb.ROLE_TARGET}
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Where one call's time went on the worker."""
+
+    queue_ns: int = 0  # arrival -> start of its batch
+    forward_ns: int = 0  # the batch's model work, shared by its calls
+    batch_size: int = 0  # calls in that batch
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker says about itself (InfoResponse)."""
+
+    role: str  # "draft" or "target"
+    model_id: str  # alias, directory, HF id, or "ngram"
+    tokenizer_fingerprint: str  # pairs draft and target; "" = model-free drafter
+    vocab_size: int  # token ids are in [0, vocab_size); 0 = unknown
+    context_length: int  # most tokens one session holds; 0 = unlimited
+    max_sessions: int  # sessions held at once
+    live_sessions: int  # sessions held now
+    eos_token_ids: tuple[int, ...]  # tokens that end a generation
+    max_tree_nodes: int  # most nodes in one tree
+
+
+# -- trees and parameters ------------------------------------------------------------------
+
+
+def tree_to_proto(tree: TokenTree) -> pb.TokenTree:
+    msg = pb.TokenTree(tokens=tree.tokens.tolist(), parents=tree.parents.tolist())
+    if tree.q_tokens is not None and tree.q_probs is not None:
+        msg.q_width = tree.q_tokens.shape[1]
+        msg.q_tokens.extend(tree.q_tokens.reshape(-1).tolist())  # (N * K,) row-major
+        msg.q_probs.extend(tree.q_probs.float().reshape(-1).tolist())  # (N * K,)
+    return msg
+
+
+def tree_from_proto(msg: pb.TokenTree) -> TokenTree:
+    n, k = len(msg.tokens), msg.q_width
+    if len(msg.parents) != n:
+        raise TreeError(f"tree has {n} tokens but {len(msg.parents)} parents")
+    tokens = torch.tensor(list(msg.tokens), dtype=torch.long)  # (N,)
+    parents = torch.tensor(list(msg.parents), dtype=torch.long)  # (N,)
+    if k == 0:
+        if msg.q_tokens or msg.q_probs:
+            raise TreeError("q_tokens / q_probs given without q_width")
+        return TokenTree(tokens, parents)
+    if len(msg.q_tokens) != n * k or len(msg.q_probs) != n * k:
+        raise TreeError(
+            f"q_tokens ({len(msg.q_tokens)}) and q_probs ({len(msg.q_probs)}) must both hold "
+            f"N * K = {n} * {k} entries"
+        )
+    q_tokens = torch.tensor(list(msg.q_tokens), dtype=torch.long).view(n, k)  # (N, K)
+    q_probs = torch.tensor(list(msg.q_probs), dtype=torch.float32).view(n, k)  # (N, K)
+    return TokenTree(tokens, parents, q_tokens, q_probs)
+
+
+def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k)
+    if params.top_p != 1.0:
+        msg.top_p = params.top_p
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+    )
+
+
+def spec_to_proto(spec: TreeSpec) -> pb.TreePolicy:
+    msg = pb.TreePolicy(
+        depth=spec.depth, branching=spec.branching, budget=spec.budget, temperature=spec.temperature
+    )
+    if spec.seed is not None:
+        msg.seed = spec.seed
+    return msg
+
+
+def spec_from_proto(msg: pb.TreePolicy) -> TreeSpec:
+    spec = TreeSpec(
+        depth=msg.depth,
+        branching=msg.branching,
+        budget=msg.budget,
+        temperature=msg.temperature,
+        seed=msg.seed if msg.HasField("seed") else None,
+    )
+    spec.params  # noqa: B018 - validates the temperature now, not on the engine thread
+    return spec
+
+
+def timings_to_proto(t: Timings) -> pb.Timings:
+    return pb.Timings(queue_ns=t.queue_ns, forward_ns=t.forward_ns, batch_size=t.batch_size)
+
+
+def timings_from_proto(msg: pb.Timings) -> Timings:
+    return Timings(msg.queue_ns, msg.forward_ns, msg.batch_size)
+
+
+def _logprobs_field(num_logprobs: int) -> dict:
+    return {} if num_logprobs < 0 else {"num_logprobs": num_logprobs}
+
+
+def _num_logprobs(msg) -> int:
+    n = msg.num_logprobs if msg.HasField("num_logprobs") else -1
+    if n < -1:
+        raise ValueError(f"num_logprobs must be -1 (none) or >= 0, got {n}")
+    return n
+
+
+# -- draft ---------------------------------------------------------------------------------
+
+
+def propose_request(call: ProposeCall) -> pb.ProposeRequest:
+    return pb.ProposeRequest(
+        session_id=call.session_id,
+        base_len=call.base_len,
+        tokens=call.tokens,
+        policy=spec_to_proto(call.spec),
+    )
+
+
+def propose_call(msg: pb.ProposeRequest) -> ProposeCall:
+    return ProposeCall(msg.session_id, msg.base_len, list(msg.tokens), spec_from_proto(msg.policy))
+
+
+def propose_response(tree: TokenTree, timings: Timings) -> pb.ProposeResponse:
+    return pb.ProposeResponse(tree=tree_to_proto(tree), timings=timings_to_proto(timings))
+
+
+# -- target --------------------------------------------------------------------------------
+
+
+def verify_request(call: VerifyCall) -> pb.VerifyRequest:
+    return pb.VerifyRequest(
+        session_id=call.session_id,
+        base_len=call.base_len,
+        tokens=call.tokens,
+        tree=tree_to_proto(call.tree),
+        sampling=params_to_proto(call.params),
+        **_logprobs_field(call.num_logprobs),
+    )
+
+
+def verify_call(msg: pb.VerifyRequest) -> VerifyCall:
+    return VerifyCall(
+        msg.session_id,
+        msg.base_len,
+        list(msg.tokens),
+        tree_from_proto(msg.tree),
+        params_from_proto(msg.sampling),
+        _num_logprobs(msg),
+    )
+
+
+def prefill_request(
+    session_id: str, prompt: list[int], params: SamplingParams, num_logprobs: int = -1
+) -> pb.PrefillRequest:
+    return pb.PrefillRequest(
+        session_id=session_id,
+        tokens=prompt,
+        sampling=params_to_proto(params),
+        **_logprobs_field(num_logprobs),
+    )
+
+
+def prefill_call(msg: pb.PrefillRequest) -> VerifyCall:
+    """A prefill is a verify that starts over from the prompt with an empty tree."""
+    params = params_from_proto(msg.sampling)
+    tokens = list(msg.tokens)
+    return VerifyCall(msg.session_id, 0, tokens, TokenTree.empty(), params, _num_logprobs(msg))
+
+
+def verify_response(outcome: VerifyOutcome, timings: Timings) -> pb.VerifyResponse:
+    msg = pb.VerifyResponse(
+        accepted=outcome.accepted,
+        emitted=outcome.emitted,
+        bonus=outcome.emitted[-1],
+        prefix_hit=outcome.prefix_hit,
+        timings=timings_to_proto(timings),
+    )
+    for lp in outcome.logprobs or []:
+        top = [pb.TopLogprob(token=t, logprob=v) for t, v in lp.top]
+        msg.logprobs.append(pb.TokenLogprob(token=lp.token, logprob=lp.logprob, top=top))
+    return msg
+
+
+def verify_outcome(msg: pb.VerifyResponse) -> VerifyOutcome:
+    logprobs = [
+        TokenLogprob(lp.token, lp.logprob, [(t.token, t.logprob) for t in lp.top])
+        for lp in msg.logprobs
+    ]
+    return VerifyOutcome(list(msg.accepted), list(msg.emitted), logprobs or None, msg.prefix_hit)
+
+
+# -- info ----------------------------------------------------------------------------------
+
+
+def info_to_proto(info: WorkerInfo) -> pb.InfoResponse:
+    return pb.InfoResponse(
+        role=ROLES[info.role],
+        model_id=info.model_id,
+        tokenizer_fingerprint=info.tokenizer_fingerprint,
+        vocab_size=info.vocab_size,
+        context_length=info.context_length,
+        max_sessions=info.max_sessions,
+        live_sessions=info.live_sessions,
+        eos_token_ids=info.eos_token_ids,
+        max_tree_nodes=info.max_tree_nodes,
+    )
+
+
+def info_from_proto(msg: pb.InfoResponse) -> WorkerInfo:
+    role = next((name for name, value in ROLES.items() if value == msg.role), "unspecified")
+    return WorkerInfo(
+        role=role,
+        model_id=msg.model_id,
+        tokenizer_fingerprint=msg.tokenizer_fingerprint,
+        vocab_size=msg.vocab_size,
+        context_length=msg.context_length,
+        max_sessions=msg.max_sessions,
+        live_sessions=msg.live_sessions,
+        eos_token_ids=tuple(msg.eos_token_ids),
+        max_tree_nodes=msg.max_tree_nodes,
+    )

@@ -1,0 +1,120 @@
+"""Prometheus metrics of one worker, in a registry of its own (no global state).
+
+Every metric carries a `role` label (draft / target). Rates are PromQL over
+the histograms' _count and _sum, e.g. mean batch size:
+    rate(specsplit_worker_batch_size_sum[1m]) / rate(specsplit_worker_batch_size_count[1m])
+and errors by code:
+    sum by (code) (rate(specsplit_worker_requests_total{code!="OK"}[1m]))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from workers.engine.engine import SlotInput
+from workers.engine.sessions import SessionTable
+from workers.rpc.batcher import BatchReport
+
+SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+SECOND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class SessionCollector(Collector):
+    """Live sessions and LRU evictions, read from the session table at scrape time."""
+
+    def __init__(self, role: str, table: SessionTable):
+        self.role = role
+        self.table = table
+
+    def collect(self):
+        live = GaugeMetricFamily(
+            "specsplit_worker_live_sessions", "Sessions the worker holds now", labels=["role"]
+        )
+        live.add_metric([self.role], len(self.table))
+        evictions = CounterMetricFamily(
+            "specsplit_worker_evictions",
+            "Sessions evicted (least recently used) to make room for a new one",
+            labels=["role"],
+        )
+        evictions.add_metric([self.role], self.table.evictions)
+        return [live, evictions]
+
+
+class WorkerMetrics:
+    def __init__(self, role: str):
+        self.role = role
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["role"]
+        self.batch_size = Histogram(
+            "specsplit_worker_batch_size",
+            "Calls (sessions) merged into one batch step",
+            labels,
+            buckets=SIZE_BUCKETS,
+            registry=r,
+        ).labels(role)
+        self.tokens_per_forward = Histogram(
+            "specsplit_worker_tokens_per_forward",
+            "Tokens fed to the model in one forward, over all sessions in it",
+            labels,
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        ).labels(role)
+        self.forward_seconds = Histogram(
+            "specsplit_worker_forward_seconds",
+            "Duration of one batch step on the engine thread",
+            labels,
+            buckets=SECOND_BUCKETS,
+            registry=r,
+        ).labels(role)
+        self.queue_seconds = Histogram(
+            "specsplit_worker_queue_seconds",
+            "Time a call waited between arrival and the start of its batch",
+            labels,
+            buckets=SECOND_BUCKETS,
+            registry=r,
+        ).labels(role)
+        self.requests = Counter(
+            "specsplit_worker_requests",
+            "Finished calls by method and gRPC status code",
+            ["role", "method", "code"],
+            registry=r,
+        )
+
+    def watch_sessions(self, table: SessionTable) -> None:
+        self.registry.register(SessionCollector(self.role, table))
+
+    def observe_batch(self, report: BatchReport) -> None:
+        self.batch_size.observe(report.size)
+        self.forward_seconds.observe(report.forward_ns / 1e9)
+        for ns in report.queue_ns:
+            self.queue_seconds.observe(ns / 1e9)
+
+    def observe_request(self, method: str, code: str) -> None:
+        self.requests.labels(self.role, method, code).inc()
+
+    def observe_forward(self, rows: list[SlotInput]) -> None:
+        self.tokens_per_forward.observe(sum(len(r.tokens) for r in rows))
+
+    def serve(self, host: str, port: int):
+        """Starts the /metrics HTTP server; returns (server, thread); port 0 = any free port."""
+        return start_http_server(port, addr=host, registry=self.registry)
+
+
+class MeteredEngine:
+    """An Engine whose every forward is also reported (tokens per forward)."""
+
+    def __init__(self, engine, on_forward: Callable[[list[SlotInput]], None]):
+        self._engine = engine
+        self._on_forward = on_forward
+
+    def forward(self, rows: list[SlotInput]):
+        self._on_forward(rows)
+        return self._engine.forward(rows)
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)

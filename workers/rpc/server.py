@@ -1,0 +1,168 @@
+"""A running worker: the grpc.aio server around one service, plus what every worker needs.
+
+`WorkerServer.start` binds the port with the error interceptor, registers the
+service and the standard `grpc.health.v1` health service, starts the batcher,
+the idle-session reaper and the /metrics HTTP server. `shutdown` is what
+SIGTERM does: health goes NOT_SERVING, new calls are refused, in-flight calls
+finish within the grace period, then everything stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from workers.engine.engine import Engine
+from workers.engine.sessions import SessionTable
+from workers.rpc.batcher import Batcher, EngineThread
+from workers.rpc.convert import WorkerInfo
+from workers.rpc.errors import ErrorInterceptor
+from workers.rpc.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Where and how a worker listens (taken from the worker's settings)."""
+
+    host: str = "127.0.0.1"  # interface to bind; 0.0.0.0 = all
+    port: int = 0  # gRPC port; 0 = any free port
+    metrics_port: int | None = 0  # /metrics HTTP port; 0 = any free port; None = none
+    idle_timeout_s: float = 600.0  # sessions idle this long are ended
+    drain_s: float = 1.0  # on shutdown, how long health says NOT_SERVING before calls are refused
+    grace_s: float = 10.0  # then, how long in-flight calls may take to finish
+
+
+def engine_info(role: str, engine: Engine, max_tree_nodes: int) -> WorkerInfo:
+    """What Info reports for a model worker (live_sessions filled in per call)."""
+    from workers.engine.loader import tokenizer_fingerprint
+
+    tokenizer = engine.tokenizer
+    if tokenizer is None:  # a test model: the vocabulary size is all there is to compare
+        fingerprint, eos = f"vocab:{engine.vocab_size}", ()
+    else:
+        fingerprint = tokenizer_fingerprint(tokenizer)
+        eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    return WorkerInfo(
+        role=role,
+        model_id=engine.model_id,
+        tokenizer_fingerprint=fingerprint,
+        vocab_size=engine.vocab_size,
+        context_length=engine.context_length,
+        max_sessions=engine.num_slots,
+        live_sessions=0,
+        eos_token_ids=eos,
+        max_tree_nodes=max_tree_nodes,
+    )
+
+
+@dataclass
+class WorkerServer:
+    role: str  # "draft" or "target"
+    service_name: str  # full gRPC name, e.g. specsplit.v1.TargetService
+    servicer: object  # the DraftServicer / TargetServicer
+    server: grpc.aio.Server
+    port: int  # the bound gRPC port
+    health: health_aio.HealthServicer
+    interceptor: ErrorInterceptor
+    batcher: Batcher
+    thread: EngineThread
+    table: SessionTable
+    metrics: WorkerMetrics
+    options: ServerOptions
+    metrics_port: int | None = None  # the bound /metrics port
+    _metrics_http: object = None
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+    _stopping: bool = False
+    _stopped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @classmethod
+    async def start(
+        cls,
+        role: str,
+        service_name: str,
+        servicer: object,
+        register: Callable[[object, grpc.aio.Server], None],
+        batcher: Batcher,
+        thread: EngineThread,
+        table: SessionTable,
+        metrics: WorkerMetrics,
+        options: ServerOptions,
+    ) -> WorkerServer:
+        interceptor = ErrorInterceptor(metrics.observe_request)
+        server = grpc.aio.server(interceptors=[interceptor])
+        register(servicer, server)
+        health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        port = server.add_insecure_port(f"{options.host}:{options.port}")
+        if port == 0:
+            raise OSError(f"could not bind {options.host}:{options.port}")
+        metrics.watch_sessions(table)
+        batcher.start()
+        await server.start()
+        worker = cls(
+            role, service_name, servicer, server, port, health, interceptor, batcher, thread,
+            table, metrics, options,
+        )  # fmt: skip
+        if options.metrics_port is not None:
+            worker._metrics_http, _ = metrics.serve(options.host, options.metrics_port)
+            worker.metrics_port = worker._metrics_http.server_port
+        worker._tasks.append(asyncio.create_task(worker._reap(), name="reaper"))
+        for name in ("", service_name):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return worker
+
+    async def _reap(self) -> None:
+        """Ends sessions idle for longer than idle_timeout_s."""
+        every = max(0.5, min(self.options.idle_timeout_s / 4, 30.0))
+        while True:
+            await asyncio.sleep(every)
+            try:
+                ended = await self.thread.run(self.table.reap_idle)
+            except Exception:  # noqa: BLE001 - keep reaping
+                log.exception("reaping idle sessions failed")
+                continue
+            if ended:
+                log.info("ended %d idle sessions", len(ended))
+
+    async def shutdown(self, grace_s: float | None = None, drain_s: float | None = None) -> None:
+        """What SIGTERM does: health NOT_SERVING, drain, refuse new calls, finish in-flight ones.
+
+        For `drain_s` the worker still serves while saying NOT_SERVING, so health
+        checkers and watchers (load balancers, the gateway) move new sessions
+        elsewhere; then new calls are refused and in-flight calls (queued ones
+        run at once) get `grace_s` to finish.
+        """
+        if self._stopping:
+            return await self._stopped.wait()
+        self._stopping = True
+        grace = self.options.grace_s if grace_s is None else grace_s
+        drain = self.options.drain_s if drain_s is None else drain_s
+        await self.health.enter_graceful_shutdown()
+        if drain > 0:
+            await asyncio.sleep(drain)
+        stopping = asyncio.create_task(self.server.stop(grace))  # refuses new calls at once
+        self.batcher.drain()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.interceptor.wait_idle(), grace)
+        await self.server.stop(0)  # what is left are health watch streams
+        await stopping
+        for task in self._tasks:
+            task.cancel()
+        await self.batcher.close()
+        await asyncio.to_thread(self.thread.close)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+        self._stopped.set()
+
+    async def wait_closed(self) -> None:
+        await self._stopped.wait()

@@ -1,0 +1,142 @@
+"""`specsplit worker draft|target`: one gRPC worker over one model.
+
+    specsplit worker target --model smollm2-135m-instruct --port 50051
+    specsplit worker draft --model ngram --port 50052
+
+Every flag is also an environment variable: `--max-sessions 8` or
+`SPECSPLIT_MAX_SESSIONS=8`. SIGTERM (or Ctrl-C) drains the worker: health
+goes NOT_SERVING, new calls are refused, in-flight calls get `--grace-s`
+seconds to finish, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, CliPositionalArg
+
+from workers.engine.engine import Engine, EngineConfig
+from workers.rpc.server import ServerOptions, WorkerServer
+from workers.settings import parse, settings_config
+
+log = logging.getLogger("specsplit.worker")
+
+DEFAULT_PORTS = {"target": 50051, "draft": 50052}
+DEFAULT_MODELS = {"target": "smollm2-135m-instruct", "draft": "ngram"}
+
+
+class WorkerSettings(BaseSettings):
+    model_config = settings_config("worker")
+
+    role: CliPositionalArg[Literal["draft", "target"]] = Field(description="which worker to run")
+    host: str = Field("0.0.0.0", description="interface to listen on")
+    port: int | None = Field(
+        None, ge=0, description="gRPC port; default 50051 (target), 50052 (draft); 0 = any free"
+    )
+    model: str | None = Field(
+        None,
+        description="alias, directory, .gguf or HF id; the draft also takes 'ngram' (no model); "
+        "default smollm2-135m-instruct (target), ngram (draft)",
+    )
+    device: str = Field("cpu", description="torch device")
+    dtype: str = Field("float32", description="float32, bfloat16 or float16")
+    max_sessions: int = Field(8, ge=1, description="sessions held at once (KV slots)")
+    max_seq_len: int = Field(2048, ge=2, description="most tokens per session")
+    idle_timeout_s: float = Field(600.0, gt=0, description="end sessions idle this long")
+    metrics_port: int | None = Field(
+        None, ge=0, description="Prometheus /metrics port; default gRPC port + 1000"
+    )
+    batch_wait_ms: float = Field(
+        2.0, ge=0, description="most a call waits for others to join its batch"
+    )
+    max_batch_tokens: int = Field(
+        2048, ge=1, description="a batch stops growing at this many tokens"
+    )
+    max_tree_nodes: int = Field(64, ge=1, description="most nodes in one draft tree")
+    drain_s: float = Field(
+        1.0,
+        ge=0,
+        description="on SIGTERM, seconds health says NOT_SERVING before calls are refused",
+    )
+    grace_s: float = Field(10.0, ge=0, description="then, seconds in-flight calls get to finish")
+    cache_dir: Path | None = Field(None, description="model cache; default ~/.cache/specsplit")
+
+    @property
+    def grpc_port(self) -> int:
+        return DEFAULT_PORTS[self.role] if self.port is None else self.port
+
+    @property
+    def model_name(self) -> str:
+        return DEFAULT_MODELS[self.role] if self.model is None else self.model
+
+    def server_options(self) -> ServerOptions:
+        port = self.grpc_port
+        metrics_port = self.metrics_port
+        if metrics_port is None:
+            metrics_port = port + 1000 if port else 0
+        return ServerOptions(
+            self.host, port, metrics_port, self.idle_timeout_s, self.drain_s, self.grace_s
+        )
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model_name,
+            device=self.device,
+            dtype=self.dtype,
+            max_sessions=self.max_sessions,
+            max_seq_len=self.max_seq_len,
+            cache_dir=self.cache_dir,
+        )
+
+
+async def start(settings: WorkerSettings) -> WorkerServer:
+    """Loads the model (none for an n-gram draft) and starts the worker's server."""
+    from workers.draft.service import serve_draft
+    from workers.target.service import serve_target
+
+    if settings.role == "draft" and settings.model_name == "ngram":
+        return await serve_draft(None, settings)
+    if settings.model_name == "ngram":
+        raise ValueError("the target needs a model; 'ngram' is a draft only")
+    engine = await asyncio.to_thread(Engine.load, settings.engine_config())
+    serve = serve_draft if settings.role == "draft" else serve_target
+    return await serve(engine, settings)
+
+
+async def run(settings: WorkerSettings) -> None:
+    server = await start(settings)
+    log.info(
+        "%s worker serving %s on %s:%d (metrics on port %s)",
+        settings.role,
+        settings.model_name,
+        settings.host,
+        server.port,
+        server.metrics_port,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info(
+        "draining: health NOT_SERVING for %.1f s, then %.1f s for in-flight calls",
+        settings.drain_s,
+        settings.grace_s,
+    )
+    await server.shutdown()
+    log.info("stopped")
+
+
+def main(argv: list[str]) -> None:
+    settings = parse(WorkerSettings, argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        asyncio.run(run(settings))
+    except (ValueError, RuntimeError, OSError) as error:  # bad model, port in use, ...
+        sys.exit(f"specsplit worker: {error}")
