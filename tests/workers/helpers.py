@@ -1,0 +1,52 @@
+"""Workers on tiny random models, started in the test process on free localhost ports."""
+
+from __future__ import annotations
+
+import urllib.request
+from contextlib import asynccontextmanager
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from workers.draft.service import serve_draft
+from workers.engine.engine import Engine
+from workers.rpc.client import DraftClient, TargetClient
+from workers.rpc.server import WorkerServer
+from workers.target.service import serve_target
+from workers.worker import WorkerSettings
+
+
+def settings(role: str, **overrides) -> WorkerSettings:
+    fields = dict(host="127.0.0.1", port=0, metrics_port=0, drain_s=0.0, **overrides)
+    return WorkerSettings(role=role, **fields)
+
+
+@asynccontextmanager
+async def target_worker(engine: Engine, **overrides):
+    server = await serve_target(engine, settings("target", **overrides))
+    try:
+        async with TargetClient(f"127.0.0.1:{server.port}") as client:
+            yield server, client
+    finally:
+        await server.shutdown(0)
+
+
+@asynccontextmanager
+async def draft_worker(engine: Engine | None, **overrides):
+    server = await serve_draft(engine, settings("draft", **overrides))
+    try:
+        async with DraftClient(f"127.0.0.1:{server.port}") as client:
+            yield server, client
+    finally:
+        await server.shutdown(0)
+
+
+def scrape(server: WorkerServer) -> dict[str, list]:
+    """The worker's /metrics, as {sample name: [(labels, value), ...]}."""
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+    return samples

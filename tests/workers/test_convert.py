@@ -1,0 +1,86 @@
+"""Messages <-> dataclasses: what goes through the wire comes back equal."""
+
+import pytest
+import torch
+
+from workers.draft.runner import ProposeCall, TreeSpec
+from workers.rpc import convert
+from workers.rpc.client import IncompatibleWorkers, check_pair
+from workers.spec.sampling import SamplingParams
+from workers.spec.tree import TokenTree, TreeError
+from workers.target.runner import TokenLogprob, VerifyCall, VerifyOutcome
+
+
+def sampled_tree() -> TokenTree:
+    q_probs = torch.tensor([[0.7, 0.3, 0.0], [0.6, 0.4, 0.0], [1 / 3, 1 / 3, 1 / 3]])  # (3, 3)
+    return TokenTree(
+        tokens=torch.tensor([4, 9, 2]),
+        parents=torch.tensor([-1, -1, 0]),
+        q_tokens=torch.tensor([[4, 9, 0], [9, 1, 0], [2, 3, 5]]),
+        q_probs=q_probs,
+    )
+
+
+def same_tree(a: TokenTree, b: TokenTree) -> bool:
+    if not (torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)):
+        return False
+    if a.q_tokens is None or b.q_tokens is None:
+        return a.q_tokens is None and b.q_tokens is None
+    return torch.equal(a.q_tokens, b.q_tokens) and torch.equal(a.q_probs, b.q_probs)
+
+
+@pytest.mark.parametrize("tree", [TokenTree.empty(), TokenTree.chain([5, 6, 7]), sampled_tree()])
+def test_trees_round_trip(tree):
+    assert same_tree(convert.tree_from_proto(convert.tree_to_proto(tree)), tree)
+
+
+def test_verify_call_round_trips():
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3)
+    call = VerifyCall("s", 4, [1, 2], sampled_tree(), params, num_logprobs=2)
+    back = convert.verify_call(convert.verify_request(call))
+    assert (back.session_id, back.base_len, back.tokens) == ("s", 4, [1, 2])
+    assert back.params == params and back.num_logprobs == 2
+    assert same_tree(back.tree, call.tree)
+    plain = convert.verify_call(
+        convert.verify_request(VerifyCall("s", 0, [1], TokenTree.empty(), SamplingParams()))
+    )
+    assert plain.params == SamplingParams() and plain.num_logprobs == -1
+
+
+def test_propose_call_round_trips():
+    call = ProposeCall(
+        "s", 0, [3, 1], TreeSpec(depth=5, branching=3, budget=12, temperature=0.5, seed=1)
+    )
+    assert convert.propose_call(convert.propose_request(call)) == call
+
+
+def test_outcome_round_trips():
+    outcome = VerifyOutcome(
+        [0, 2], [4, 2, 8], [TokenLogprob(4, -0.5, [(4, -0.5), (9, -1.25)])] * 3, 7
+    )
+    timings = convert.Timings(10, 20, 3)
+    msg = convert.verify_response(outcome, timings)
+    assert msg.bonus == 8
+    assert convert.verify_outcome(msg) == outcome
+    assert convert.timings_from_proto(msg.timings) == timings
+
+
+def test_malformed_q_rows_are_rejected():
+    msg = convert.tree_to_proto(sampled_tree())
+    del msg.q_probs[-1]
+    with pytest.raises(TreeError, match="N \\* K"):
+        convert.tree_from_proto(msg)
+
+
+def info(role: str, fingerprint: str) -> convert.WorkerInfo:
+    return convert.WorkerInfo(role, "m", fingerprint, 96, 256, 4, 0, (2,), 64)
+
+
+def test_check_pair():
+    check_pair(info("draft", "abc"), info("target", "abc"))
+    check_pair(info("draft", ""), info("target", "abc"))  # model-free drafts pair with any target
+    assert convert.info_from_proto(convert.info_to_proto(info("draft", "x"))) == info("draft", "x")
+    with pytest.raises(IncompatibleWorkers, match="different tokenizers"):
+        check_pair(info("draft", "abc"), info("target", "abd"))
+    with pytest.raises(IncompatibleWorkers, match="a draft and a target"):
+        check_pair(info("target", "abc"), info("target", "abc"))

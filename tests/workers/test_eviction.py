@@ -1,0 +1,64 @@
+"""An evicted session answers NOT_FOUND, is re-sent its history, and its output is unchanged."""
+
+import grpc
+import pytest
+
+from proto.specsplit.v1 import specsplit_pb2 as pb
+from proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from tests.decoding.test_greedy_lossless import target_only
+from tests.engine.tiny import tiny_engine
+from tests.workers.helpers import draft_worker, scrape, target_worker
+from workers.decoder import Generation
+from workers.draft.runner import TreeSpec
+from workers.engine.sessions import SessionNotFound
+from workers.rpc.remote import RemoteDecoder
+from workers.spec.sampling import SamplingParams
+from workers.spec.tree import TokenTree
+from workers.target.runner import VerifyCall
+
+PROMPTS = {"a": [5, 17, 3, 88, 41], "b": list(range(20, 29)), "c": [7] * 6}
+GREEDY = SamplingParams()
+
+
+async def test_evicted_session_is_resent_and_output_is_unchanged():
+    async with (
+        target_worker(tiny_engine(seed=1, slots=2)) as (server, target),
+        draft_worker(None) as (_, draft),
+    ):
+        decoder = RemoteDecoder(target, draft, TreeSpec(depth=4, budget=8))
+        gens = {sid: Generation() for sid in PROMPTS}
+        rounds = {
+            sid: decoder.rounds(p, 24, GREEDY, gens[sid], session_id=sid)
+            for sid, p in PROMPTS.items()
+        }
+        # round robin over three sessions on two slots: each round evicts another session
+        while rounds:
+            for sid in list(rounds):
+                try:
+                    await anext(rounds[sid])
+                except StopAsyncIteration:
+                    del rounds[sid]
+        for sid, prompt in PROMPTS.items():
+            assert gens[sid].token_ids == target_only(1, prompt, 24)
+        assert decoder.resyncs > 0
+        (evictions,) = [v for _, v in scrape(server)["specsplit_worker_evictions_total"]]
+        assert evictions > 0
+
+
+async def test_an_evicted_session_answers_not_found():
+    async with target_worker(tiny_engine(seed=0, slots=2)) as (_, target):
+        for sid in "abc":  # c evicts a, the least recently used
+            await target.prefill(sid, PROMPTS[sid], GREEDY)
+        n = len(PROMPTS["a"]) + 1
+        with pytest.raises(SessionNotFound):
+            await target.verify(VerifyCall("a", n, [], TokenTree.empty(), GREEDY))
+        stub = pb_grpc.TargetServiceStub(target.channel)  # the raw status code
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Verify(pb.VerifyRequest(session_id="a", base_len=n))
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        # re-sent from the start, the session carries on with the tokens greedy gives
+        history = PROMPTS["a"] + target_only(0, PROMPTS["a"], 1)
+        reply = await target.verify(VerifyCall("a", 0, history, TokenTree.empty(), GREEDY))
+        assert history[len(PROMPTS["a"]) :] + reply.outcome.emitted == target_only(
+            0, PROMPTS["a"], 2
+        )

@@ -1,0 +1,104 @@
+"""The `specsplit worker` command, health, Info, metrics names, and draining on shutdown."""
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.engine.tiny import tiny_engine
+from tests.workers.helpers import scrape, target_worker
+from workers.draft.runner import ProposeCall, TreeSpec
+from workers.rpc.client import DraftClient
+from workers.spec.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+METRICS = [
+    "specsplit_worker_batch_size",
+    "specsplit_worker_tokens_per_forward",
+    "specsplit_worker_forward_seconds",
+    "specsplit_worker_queue_seconds",
+    "specsplit_worker_live_sessions",
+    "specsplit_worker_evictions_total",
+    "specsplit_worker_requests_total",
+]
+
+
+async def read_port(stream: asyncio.StreamReader) -> int:
+    while line := await stream.readline():
+        found = re.search(rb"serving .* on [\d.]+:(\d+)", line)
+        if found:
+            return int(found.group(1))
+    raise AssertionError("the worker exited before serving")
+
+
+async def test_worker_command_serves_and_drains_on_sigterm():
+    env = {**os.environ, "SPECSPLIT_MAX_SESSIONS": "5"}  # flags and environment both work
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "workers.cli", "worker", "draft", "--model", "ngram",
+        "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--drain-s", "0.5",
+        cwd=ROOT, env=env, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        port = await asyncio.wait_for(read_port(proc.stderr), 120)
+        async with DraftClient(f"127.0.0.1:{port}") as draft:
+            info = await draft.info()
+            assert (info.role, info.model_id, info.max_sessions) == ("draft", "ngram", 5)
+            assert await draft.health()
+            history = [1, 2, 3, 1, 2, 3, 1, 2]
+            proposal = await draft.propose(ProposeCall("s", 0, history, TreeSpec(depth=3)))
+            assert proposal.tree.tokens.tolist()[:1] == [3]  # prompt lookup continues 1 2 -> 3
+            watch = health_pb2_grpc.HealthStub(draft.channel).Watch(
+                health_pb2.HealthCheckRequest(service="")
+            )
+            assert (await watch.read()).status == SERVING
+            proc.send_signal(signal.SIGTERM)
+            assert (await watch.read()).status == NOT_SERVING
+            watch.cancel()
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_shutdown_finishes_in_flight_calls_then_refuses_new_ones():
+    # a batching window far longer than the test: the call waits in the queue until shutdown
+    async with target_worker(tiny_engine(seed=0), batch_wait_ms=600_000) as (server, target):
+        prefill = asyncio.create_task(target.prefill("s", [1, 2, 3], SamplingParams()))
+        while server.interceptor.inflight == 0:  # until the call reached the worker
+            await asyncio.sleep(0.01)
+        await server.shutdown(grace_s=60, drain_s=0)
+        assert len((await prefill).outcome.emitted) == 1  # run at once, not after the window
+        check = await server.health.Check(health_pb2.HealthCheckRequest(service=""), None)
+        assert check.status == NOT_SERVING
+        stub = health_pb2_grpc.HealthStub(target.channel)
+        try:
+            await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            raise AssertionError("a stopped worker answered")
+        except grpc.aio.AioRpcError as error:
+            assert error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+async def test_info_and_metric_names():
+    async with target_worker(tiny_engine(seed=0, slots=3), max_tree_nodes=12) as (server, target):
+        await target.prefill("s", [1, 2, 3], SamplingParams())
+        info = await target.info()
+        assert info.role == "target" and info.tokenizer_fingerprint == "vocab:96"
+        assert (info.vocab_size, info.context_length, info.max_sessions) == (96, 256, 3)
+        assert (info.live_sessions, info.max_tree_nodes) == (1, 12)
+        assert await target.health()
+        metrics = scrape(server)
+        for name in METRICS:
+            samples = metrics.get(name) or metrics.get(f"{name}_count")
+            assert samples, name
+            assert all(labels["role"] == "target" for labels, _ in samples), name
+        assert metrics["specsplit_worker_live_sessions"] == [({"role": "target"}, 1.0)]
+        (tokens,) = [v for _, v in metrics["specsplit_worker_tokens_per_forward_sum"]]
+        assert tokens == 3  # the prompt, fed once
