@@ -28,7 +28,7 @@ from workers.spec.policy import (
 )
 from workers.spec.sampling import SamplingParams
 from workers.spec.tree import TokenTree
-from workers.target.runner import check_tokens, round_generator
+from workers.target.runner import DRAFT_STREAM, check_tokens, round_generator
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class ModelDrafter:
         if depth <= 0 or spec.budget == 0:
             return None
         policy = TreeSpec(depth, spec.branching, spec.budget).policy()
-        generator = round_generator(spec.params, len(session.committed))
+        generator = round_generator(spec.params, len(session.committed), DRAFT_STREAM)
         session.region_tokens = list(session.pending)
         session.region_parents = list(range(-1, len(session.pending) - 1))
         expansion = Expansion(call, session, policy, generator)

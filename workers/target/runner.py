@@ -54,14 +54,21 @@ class Prepared:
     prefix_hit: int
 
 
-def round_generator(params: SamplingParams, position: int) -> torch.Generator | None:
-    """A generator for one round, derived from (seed, position) so that a replayed
-    session (failover, eviction) draws the same numbers at the same place."""
+DRAFT_STREAM, TARGET_STREAM = 1, 2  # independent random streams of one round
+
+
+def round_generator(params: SamplingParams, position: int, stream: int) -> torch.Generator | None:
+    """A generator for one round, derived from (seed, position, stream) so that a
+    replayed session (failover, eviction) draws the same numbers at the same place.
+
+    Draft and target must draw from different streams: if the draft's samples
+    and the target's acceptance tests shared random numbers they would be
+    correlated, and verification would no longer be lossless."""
     if params.greedy:
         return None
     if params.seed is None:
         return make_generator(None)
-    return make_generator((params.seed * 1_000_003 + position) % (2**63))
+    return make_generator((params.seed * 1_000_003 + position * 4 + stream) % (2**63))
 
 
 def check_tokens(tokens: list[int], vocab_size: int) -> None:
@@ -123,7 +130,7 @@ class TargetRunner:
     def finish(self, p: Prepared, logits: torch.Tensor) -> VerifyOutcome:
         # logits: (N + 1, V): row 0 after the last pending token, row i + 1 after node i
         session, call = p.session, p.call
-        generator = round_generator(call.params, len(session.committed))
+        generator = round_generator(call.params, len(session.committed), TARGET_STREAM)
         verdict = verify(call.tree, logits, call.params, generator)
         pending = len(session.pending)
         keep = list(range(pending)) + [pending + a for a in verdict.accepted]
