@@ -1,0 +1,127 @@
+"""target_probs against a plain-Python reference; parameter validation; the sampler."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from workers.spec import SamplingParams, make_generator, sample, target_probs
+
+
+def reference_probs(logits: list[float], params: SamplingParams) -> list[float]:
+    """Temperature, top-k, top-p, renormalise: the textbook definition, one row."""
+    v = len(logits)
+    if params.temperature == 0:
+        best = max(range(v), key=lambda i: (logits[i], -i))
+        return [1.0 if i == best else 0.0 for i in range(v)]
+    x = [value / params.temperature for value in logits]
+    if params.top_k:
+        kth = sorted(x, reverse=True)[min(params.top_k, v) - 1]
+        x = [value if value >= kth else -math.inf for value in x]
+    top = max(x)
+    weights = [math.exp(value - top) for value in x]
+    probs = [w / sum(weights) for w in weights]
+    if params.top_p < 1:
+        keep, mass = set(), 0.0
+        for i in sorted(range(v), key=lambda i: -probs[i]):
+            keep.add(i)
+            mass += probs[i]
+            if mass >= params.top_p:
+                break
+        probs = [p if i in keep else 0.0 for i, p in enumerate(probs)]
+    total = sum(probs)
+    return [p / total for p in probs]
+
+
+PARAMS = [
+    SamplingParams(),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.5),
+    SamplingParams(temperature=2.0, top_k=3),
+    SamplingParams(temperature=1.0, top_k=1),
+    SamplingParams(temperature=1.0, top_k=50),  # larger than V: off
+    SamplingParams(temperature=0.8, top_p=0.5),
+    SamplingParams(temperature=1.3, top_p=0.9, top_k=6),
+    SamplingParams(temperature=1.0, top_p=1e-6),  # keeps exactly the argmax
+]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=repr)
+def test_target_probs_matches_reference(params: SamplingParams):
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 6, 12, generator=gen) * 2  # (B, T, V)
+    probs = target_probs(logits, params)
+    assert probs.shape == logits.shape and probs.dtype == torch.float32
+    for row, out in zip(logits.reshape(-1, 12), probs.reshape(-1, 12), strict=True):
+        expected = torch.tensor(reference_probs(row.tolist(), params))
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_target_probs_masked_logits_and_ties():
+    logits = torch.tensor([1.0, float("-inf"), 1.0, 0.0])
+    assert target_probs(logits, SamplingParams()).tolist() == [1.0, 0.0, 0.0, 0.0]
+    probs = target_probs(logits, SamplingParams(temperature=1.0, top_k=1))
+    assert probs[1] == 0 and probs[3] == 0 and torch.isclose(probs[0], probs[2])  # ties kept
+
+
+def test_target_probs_rejects_bad_logits():
+    with pytest.raises(ValueError, match="floating-point"):
+        target_probs(torch.tensor([1, 2]), SamplingParams())
+    with pytest.raises(ValueError, match="NaN"):
+        target_probs(torch.tensor([0.0, float("nan")]), SamplingParams(temperature=1.0))
+    with pytest.raises(ValueError, match="no finite"):
+        target_probs(torch.full((2, 3), float("-inf")), SamplingParams(temperature=1.0))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"seed": "7"}, "seed"),
+    ],
+)
+def test_sampling_params_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_greedy_property():
+    assert SamplingParams().greedy
+    assert not SamplingParams(temperature=0.7).greedy
+
+
+def test_sample_follows_probs_and_skips_zeros():
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3, 0.0])
+    gen = make_generator(11)
+    counts = torch.zeros(5)
+    for _ in range(4000):
+        counts[sample(probs, gen)] += 1
+    assert counts[1] == 0 and counts[4] == 0
+    keep = probs > 0
+    assert chisquare(counts[keep].numpy(), (probs[keep] * 4000).numpy()).pvalue > 1e-3
+    assert sample(torch.tensor([0.0, 0.0, 2.0]), gen) == 2  # unnormalised is fine
+
+
+def test_sample_is_reproducible_per_seed():
+    probs = torch.softmax(torch.arange(10.0), dim=0)
+    a = [sample(probs, make_generator(5)) for _ in range(3)]
+    g1, g2 = make_generator(5), make_generator(5)
+    assert [sample(probs, g1) for _ in range(20)] == [sample(probs, g2) for _ in range(20)]
+    assert len(set(a)) == 1
+    make_generator(None)  # nondeterministic seed still gives a working generator
+
+
+@pytest.mark.parametrize(
+    "probs", [torch.zeros(3), torch.tensor([0.5, -0.1, 0.6]), torch.tensor([float("nan"), 1.0])]
+)
+def test_sample_rejects_bad_probs(probs):
+    with pytest.raises(ValueError):
+        sample(probs, make_generator(0))

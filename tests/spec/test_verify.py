@@ -1,0 +1,136 @@
+"""Greedy verification against brute force; stochastic verification's edge cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.spec.helpers import random_tree
+from workers.spec import (
+    SamplingParams,
+    TokenTree,
+    TreeError,
+    Verdict,
+    greedy_verify,
+    make_generator,
+    path_to,
+    stochastic_verify,
+    verify,
+)
+
+
+def brute_force_greedy(tree: TokenTree, logits: torch.Tensor) -> Verdict:
+    """Enumerate every root-to-node path; keep the longest fully matching one, elder first."""
+    best = logits.argmax(dim=-1).tolist()
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    matching: list[list[int]] = [[]]
+    for i in range(len(tree)):
+        path = path_to(tree.parents, i)
+        if all(tokens[j] == best[parents[j] + 1] for j in path):
+            matching.append(path)
+    chosen = min(matching, key=lambda p: (-len(p), p))
+    return Verdict(accepted=chosen, bonus=best[chosen[-1] + 1 if chosen else 0])
+
+
+def test_greedy_verify_matches_brute_force():
+    gen = torch.Generator().manual_seed(0)
+    longest = 0
+    for trial in range(300):
+        n = int(torch.randint(0, 25, (), generator=gen))
+        vocab = 2 + trial % 3  # tiny vocabularies: many matches, identical-token siblings
+        tree = random_tree(n, vocab, gen)
+        logits = torch.randn(n + 1, vocab, generator=gen)  # (N+1, V)
+        got = greedy_verify(tree, logits)
+        assert got == brute_force_greedy(tree, logits)
+        longest = max(longest, len(got.accepted))
+    assert longest >= 4  # the trials did exercise deep acceptance
+
+
+def test_greedy_verify_prefers_elder_sibling_path_on_ties():
+    # root -> 0 (tok 1) and 1 (tok 1); 2 under 1, 3 under 0; both grandchildren match
+    tree = TokenTree(torch.tensor([1, 1, 2, 2]), torch.tensor([-1, -1, 1, 0]))
+    logits = torch.zeros(5, 3)
+    logits[:, 2] = 1.0
+    logits[0] = torch.tensor([0.0, 5.0, 0.0])  # argmax after the root: 1
+    assert greedy_verify(tree, logits) == Verdict(accepted=[0, 3], bonus=2)
+
+
+def test_greedy_verify_empty_tree_and_shapes():
+    assert greedy_verify(TokenTree.empty(), torch.tensor([[0.0, 3.0, 1.0]])) == Verdict([], 1)
+    with pytest.raises(ValueError, match="N\\+1=3"):
+        greedy_verify(TokenTree.chain([0, 1]), torch.zeros(2, 4))
+    with pytest.raises(TreeError, match="outside vocab"):
+        greedy_verify(TokenTree.chain([0, 9]), torch.zeros(3, 4))
+
+
+def test_stochastic_at_temperature_zero_equals_greedy():
+    gen = torch.Generator().manual_seed(1)
+    rng = make_generator(1)
+    for _ in range(100):
+        n = int(torch.randint(0, 12, (), generator=gen))
+        tree = random_tree(n, 16, gen, unique_siblings=True)
+        logits = torch.randn(n + 1, 16, generator=gen)
+        logits[:, :4] += 3  # make the argmax a likely draft token
+        got = stochastic_verify(tree, logits, SamplingParams(temperature=0.0), rng)
+        assert got == greedy_verify(tree, logits)
+
+
+def test_one_hot_rejection_never_reemits_a_rejected_token():
+    # target puts mass on 0, 1, 2; the root's drafts are 0 and 1: a bonus after rejecting
+    # both must be 2
+    tree = TokenTree(torch.tensor([0, 1]), torch.tensor([-1, -1]))
+    logits = torch.log(torch.tensor([[0.45, 0.45, 0.1], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]))
+    params = SamplingParams(temperature=1.0)
+    rng = make_generator(2)
+    outcomes = [stochastic_verify(tree, logits, params, rng) for _ in range(300)]
+    assert all(v.bonus == 2 for v in outcomes if not v.accepted)
+    assert any(not v.accepted for v in outcomes) and any(v.accepted for v in outcomes)
+
+
+def test_draft_equal_to_target_always_accepts_and_never_nans():
+    # q == p exactly: acceptance prob 1, and a residual of zero must not produce NaN
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    tree = TokenTree(
+        torch.tensor([0, 1]),
+        torch.tensor([-1, 0]),
+        q_tokens=torch.tensor([[0, 1, 2], [1, 0, 2]]),
+        q_probs=torch.tensor([[0.5, 0.3, 0.2], [0.3, 0.5, 0.2]]),
+    )
+    logits = probs.log().expand(3, 4)  # (N+1, V) the same distribution everywhere
+    rng = make_generator(3)
+    for _ in range(200):
+        v = stochastic_verify(tree, logits, SamplingParams(temperature=1.0), rng)
+        assert v.accepted == [0, 1] and v.bonus in (0, 1, 2)
+
+
+def test_residual_fallback_is_finite():
+    from importlib import import_module
+
+    residual = import_module("workers.spec.verify")._residual
+    p = torch.tensor([0.7, 0.3, 0.0])
+    out = residual(p, p.clone(), rejected=[0])  # max(0, p - q) == 0
+    assert torch.equal(out, torch.tensor([0.0, 1.0, 0.0]))
+    out = residual(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]), rejected=[0])
+    assert torch.isfinite(out).all() and out.sum() == 1
+
+
+def test_draft_token_outside_target_support_is_rejected():
+    logits = torch.tensor([[2.0, 1.0, 0.0, 5.0], [0.0, 0.0, 0.0, 0.0]])
+    params = SamplingParams(temperature=1.0, top_k=2)  # token 3 survives, 2 does not
+    rng = make_generator(4)
+    bonus_tokens = set()
+    for _ in range(200):
+        v = stochastic_verify(TokenTree.chain([2]), logits, params, rng)
+        assert v.accepted == []
+        bonus_tokens.add(v.bonus)
+    assert bonus_tokens == {0, 3}
+
+
+def test_verify_dispatch():
+    tree = TokenTree.chain([1, 2])
+    logits = torch.tensor([[0.0, 9.0, 0.0], [0.0, 0.0, 9.0], [9.0, 0.0, 0.0]])
+    assert verify(tree, logits, SamplingParams()) == Verdict([0, 1], 0)
+    v = verify(tree, logits, SamplingParams(temperature=1.0), make_generator(0))
+    assert v.accepted[: len(v.accepted)] == [0, 1][: len(v.accepted)]
+    with pytest.raises(ValueError, match="generator"):
+        verify(tree, logits, SamplingParams(temperature=1.0))

@@ -1,0 +1,115 @@
+"""Sampling parameters and the one logits -> probabilities transform.
+
+Plain sampling and speculative verification both call :func:`target_probs`, so
+"lossless" means equal to exactly this distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target's next-token distribution is shaped before sampling."""
+
+    temperature: float = 0.0  # 0 = greedy (argmax); otherwise logits are divided by it
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    seed: int | None = None  # seed for the request's generator; None = nondeterministic
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, type(None))):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding takes the argmax (temperature 0)."""
+        return self.temperature == 0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Next-token probabilities (..., V) from logits (..., V), in float32.
+
+    Order: temperature, then top-k (ties with the k-th logit are kept), then
+    top-p (the smallest set of most likely tokens whose mass reaches top_p,
+    always at least one), then renormalise. Temperature 0 gives a one-hot on
+    the argmax (the first on ties). Logits may contain -inf (masked tokens) but
+    no NaN or +inf, and every row needs at least one finite entry.
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise ValueError("logits must be a floating-point tensor")
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
+    x = logits.float()  # (..., V)
+    if (x.isnan() | (x == float("inf"))).any():
+        raise ValueError("logits contain NaN or +inf")
+    if not torch.isfinite(x).any(dim=-1).all():
+        raise ValueError("a row of logits has no finite entry")
+
+    if params.greedy:
+        top = x.argmax(dim=-1, keepdim=True)  # (..., 1)
+        return torch.zeros_like(x).scatter_(-1, top, 1.0)  # (..., V)
+
+    x = x / params.temperature  # (..., V)
+    v = x.shape[-1]
+    if 0 < params.top_k < v:
+        kth = x.topk(params.top_k, dim=-1).values[..., -1:]  # (..., 1)
+        x = x.masked_fill(x < kth, float("-inf"))  # (..., V)
+    probs = torch.softmax(x, dim=-1)  # (..., V)
+    if params.top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # (..., V) x2
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # (..., V) mass of strictly likelier
+        keep_sorted = mass_before < params.top_p  # (..., V) first entry always kept
+        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)  # (..., V)
+        probs = probs * keep  # (..., V)
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # (..., V)
+    return probs
+
+
+def make_generator(seed: int | None = None) -> torch.Generator:
+    """A CPU generator, seeded from ``seed`` or nondeterministically when None.
+
+    All randomness in speculation (draft draws, accept coins, bonus draws) comes
+    from one such generator per request, so a seeded request is reproducible.
+    """
+    gen = torch.Generator(device="cpu")
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def uniform(generator: torch.Generator) -> float:
+    """One draw from U[0, 1) off the CPU generator."""
+    return float(torch.rand((), generator=generator, dtype=torch.float64))
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Draw one token id from probs (V,) by inverse CDF with one uniform from ``generator``.
+
+    ``probs`` may live on any device and need not be normalised; the draw is
+    made on the CPU in float64 so it is the same for a seed on every device.
+    A token with probability 0 is never returned.
+    """
+    if not isinstance(probs, torch.Tensor) or probs.dim() != 1 or probs.shape[0] < 1:
+        raise ValueError("probs must be a 1-D tensor with at least one entry")
+    p = probs.detach().to(device="cpu", dtype=torch.float64)  # (V,)
+    cdf = p.cumsum(dim=0)  # (V,)
+    total = float(cdf[-1])
+    if not 0 < total < float("inf") or bool((p < 0).any()):  # also catches NaN
+        raise ValueError(f"probs must be finite, non-negative, with positive mass (sum {total})")
+    x = torch.tensor([uniform(generator) * total], dtype=torch.float64)  # (1,)
+    i = int(torch.searchsorted(cdf, x, right=True))  # first index with cdf > x
+    if i >= p.shape[0]:  # x rounded up to the total: take the last token with mass
+        i = int((p > 0).nonzero()[-1])
+    return i

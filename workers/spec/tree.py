@@ -1,0 +1,248 @@
+"""The draft token tree: one representation used everywhere.
+
+A tree holds the *draft* nodes only. Node ``i`` carries ``tokens[i]`` and hangs
+off ``parents[i]``; ``parents[i] == -1`` means it hangs off the implicit root,
+the last committed token, which the target feeds in the same forward. Nodes are
+in topological order (``parents[i] < i``), and siblings appear in the order they
+were drawn, elder first. Several nodes may hang off the root (a forest).
+
+Everything else (attention mask, positions, leaf paths, child lists) is derived
+from ``parents`` by the functions below.
+
+Optional sampling info makes stochastic verification lossless: row ``i`` of
+``q_tokens``/``q_probs`` is the sparse distribution node ``i``'s token was drawn
+from, conditional on its elder siblings already drawn (for sampling without
+replacement: the draft distribution with elder siblings removed, renormalised).
+Padding entries have probability 0. Without it (``q_tokens is None``) the draft
+was deterministic and each node's distribution is one-hot on its own token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class TreeError(ValueError):
+    """A malformed token tree; the message names the offending index and the rule."""
+
+
+def _check_parents(parents: torch.Tensor) -> None:
+    """Raise TreeError unless ``parents`` is a LongTensor[N] with parents[i] in [-1, i)."""
+    if not isinstance(parents, torch.Tensor):
+        raise TreeError(f"parents must be a torch.Tensor, got {type(parents).__name__}")
+    if parents.dtype != torch.long or parents.dim() != 1:
+        raise TreeError(
+            f"parents must be a 1-D LongTensor, got dtype={parents.dtype} "
+            f"shape={tuple(parents.shape)}"
+        )
+    n = parents.shape[0]
+    index = torch.arange(n, device=parents.device)  # (N,)
+    bad = (parents < -1) | (parents >= index)  # (N,)
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        p = int(parents[i])
+        if p >= i:
+            raise TreeError(
+                f"node {i}: parent {p} is not an earlier node (need -1 <= parent < {i}); "
+                "nodes must be in topological order, so this is a cycle or forward reference"
+            )
+        raise TreeError(f"node {i}: parent {p} is out of range (need -1 <= parent < {i})")
+
+
+@dataclass(frozen=True, eq=False)
+class TokenTree:
+    """Draft nodes of one speculation round, in topological order.
+
+    Construction checks shapes, dtypes and the parent structure; the
+    vocabulary-dependent checks live in :func:`validate_tree`.
+    """
+
+    tokens: torch.Tensor  # (N,) long: the draft token of each node
+    parents: torch.Tensor  # (N,) long: parent node index, -1 for children of the root
+    q_tokens: torch.Tensor | None = None  # (N, K) long: support of each node's draw
+    q_probs: torch.Tensor | None = None  # (N, K) float: probabilities on that support
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tokens, torch.Tensor):
+            raise TreeError(f"tokens must be a torch.Tensor, got {type(self.tokens).__name__}")
+        if self.tokens.dtype != torch.long or self.tokens.dim() != 1:
+            raise TreeError(
+                f"tokens must be a 1-D LongTensor, got dtype={self.tokens.dtype} "
+                f"shape={tuple(self.tokens.shape)}"
+            )
+        _check_parents(self.parents)
+        n = self.tokens.shape[0]
+        if self.parents.shape[0] != n:
+            raise TreeError(f"tokens has {n} nodes but parents has {self.parents.shape[0]}")
+        if (self.q_tokens is None) != (self.q_probs is None):
+            raise TreeError("q_tokens and q_probs must be given together or not at all")
+        if self.q_tokens is None:
+            return
+        assert self.q_probs is not None
+        if self.q_tokens.dtype != torch.long or self.q_tokens.dim() != 2:
+            raise TreeError(
+                f"q_tokens must be a 2-D LongTensor (N, K), got dtype={self.q_tokens.dtype} "
+                f"shape={tuple(self.q_tokens.shape)}"
+            )
+        if not self.q_probs.is_floating_point() or self.q_probs.dim() != 2:
+            raise TreeError(
+                f"q_probs must be a 2-D float tensor (N, K), got dtype={self.q_probs.dtype} "
+                f"shape={tuple(self.q_probs.shape)}"
+            )
+        if self.q_tokens.shape != self.q_probs.shape:
+            raise TreeError(
+                f"q_tokens {tuple(self.q_tokens.shape)} and q_probs "
+                f"{tuple(self.q_probs.shape)} differ in shape"
+            )
+        if self.q_tokens.shape[0] != n or (n > 0 and self.q_tokens.shape[1] == 0):
+            raise TreeError(
+                f"q rows must have shape (N={n}, K>=1), got {tuple(self.q_tokens.shape)}"
+            )
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def sampled(self) -> bool:
+        """True when the tree carries the draft's sampling distributions."""
+        return self.q_tokens is not None
+
+    @classmethod
+    def empty(cls) -> TokenTree:
+        """A tree with no draft nodes: verification then emits one target token."""
+        none = torch.empty(0, dtype=torch.long)  # (0,)
+        return cls(tokens=none, parents=none.clone())
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int] | torch.Tensor) -> TokenTree:
+        """A single path: node i is the child of node i-1 (node 0 of the root)."""
+        toks = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)  # (N,)
+        parents = torch.arange(toks.shape[0], device=toks.device) - 1  # (N,)
+        return cls(tokens=toks, parents=parents)
+
+
+def validate_tree(tree: TokenTree, vocab_size: int, max_nodes: int | None = None) -> None:
+    """Check a tree against a vocabulary and a node budget; raise TreeError if malformed.
+
+    Rules: token ids in [0, vocab_size); parents in [-1, i) (checked at
+    construction); N <= max_nodes; when q rows are present, each row is
+    non-negative, sums to 1 (to a dtype-dependent tolerance), has its token ids
+    in the vocabulary, and gives the node's own token probability > 0 (a token
+    cannot have been drawn from a distribution that excludes it).
+    """
+    if vocab_size < 1:
+        raise TreeError(f"vocab_size must be >= 1, got {vocab_size}")
+    n = len(tree)
+    if max_nodes is not None and n > max_nodes:
+        raise TreeError(f"tree has {n} nodes, over the budget of {max_nodes}")
+    if n == 0:
+        return
+    out = (tree.tokens < 0) | (tree.tokens >= vocab_size)  # (N,)
+    if out.any():
+        i = int(out.nonzero()[0])
+        raise TreeError(f"node {i}: token {int(tree.tokens[i])} outside vocab [0, {vocab_size})")
+    if tree.q_tokens is None or tree.q_probs is None:
+        return
+
+    q_tokens, q_probs = tree.q_tokens, tree.q_probs.float()  # (N, K), (N, K)
+    k = q_tokens.shape[1]
+    bad_tok = ((q_tokens < 0) | (q_tokens >= vocab_size)).any(dim=1)  # (N,)
+    if bad_tok.any():
+        i = int(bad_tok.nonzero()[0])
+        raise TreeError(f"node {i}: q_tokens has an id outside vocab [0, {vocab_size})")
+    bad_prob = ~torch.isfinite(q_probs).all(dim=1) | (q_probs < 0).any(dim=1)  # (N,)
+    if bad_prob.any():
+        i = int(bad_prob.nonzero()[0])
+        raise TreeError(f"node {i}: q_probs must be finite and non-negative")
+    tol = max(1e-4, k * torch.finfo(tree.q_probs.dtype).eps)
+    sums = q_probs.sum(dim=1)  # (N,)
+    off = (sums - 1).abs() > tol  # (N,)
+    if off.any():
+        i = int(off.nonzero()[0])
+        raise TreeError(f"node {i}: q_probs sums to {float(sums[i]):.6f}, not 1 (tol {tol:g})")
+    own = ((q_tokens == tree.tokens[:, None]) * q_probs).sum(dim=1)  # (N,)
+    zero = own <= 0  # (N,)
+    if zero.any():
+        i = int(zero.nonzero()[0])
+        raise TreeError(
+            f"node {i}: its token {int(tree.tokens[i])} has probability 0 in its own q row"
+        )
+
+
+def depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of each node; children of the root have depth 1.
+
+    The position of node i in the sequence is ``root_position + depths[i]``.
+    Computed by walking every node up one ancestor per step, all at once.
+    """
+    _check_parents(parents)
+    depth = torch.ones_like(parents)  # (N,) every node is at least one edge below the root
+    anc = parents  # (N,) current ancestor of each node, -1 once past the root
+    while True:
+        live = anc >= 0  # (N,)
+        if not live.any():
+            return depth
+        depth += live.long()  # one more edge for every node not yet at the root
+        anc = torch.where(live, parents[anc.clamp(min=0)], anc)  # (N,)
+
+
+def tree_mask(parents: torch.Tensor) -> torch.Tensor:
+    """Attention mask among draft nodes: mask[i, j] is True iff j is i or an ancestor of i.
+
+    Every node also sees the committed prefix (including the root); that part
+    of the mask is the caller's. Built by one scatter per tree level.
+    """
+    _check_parents(parents)
+    n = parents.shape[0]
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device)  # (N, N)
+    rows = torch.arange(n, device=parents.device)  # (N,)
+    anc = parents  # (N,)
+    while True:
+        live = anc >= 0  # (N,)
+        if not live.any():
+            return mask
+        mask[rows[live], anc[live]] = True
+        anc = torch.where(live, parents[anc.clamp(min=0)], anc)  # (N,)
+
+
+def children(parents: torch.Tensor) -> list[list[int]]:
+    """Child lists: entry 0 is the root's children, entry i+1 node i's, in index order."""
+    _check_parents(parents)
+    kids: list[list[int]] = [[] for _ in range(parents.shape[0] + 1)]
+    for i, p in enumerate(parents.tolist()):
+        kids[p + 1].append(i)
+    return kids
+
+
+def path_to(parents: torch.Tensor, i: int) -> list[int]:
+    """Node indices from the root's child down to node i, inclusive."""
+    _check_parents(parents)
+    n = parents.shape[0]
+    if not 0 <= i < n:
+        raise TreeError(f"node {i} is not in a tree of {n} nodes")
+    par = parents.tolist()
+    path = [i]
+    while par[path[-1]] >= 0:
+        path.append(par[path[-1]])
+    return path[::-1]
+
+
+def leaf_paths(parents: torch.Tensor) -> list[list[int]]:
+    """Root-to-leaf node index paths, in depth-first order with children in index order.
+
+    That order is lexicographic over paths, so among equal-length paths the one
+    through elder siblings comes first.
+    """
+    kids = children(parents)
+    paths: list[list[int]] = []
+    stack: list[list[int]] = [[c] for c in reversed(kids[0])]
+    while stack:
+        path = stack.pop()
+        below = kids[path[-1] + 1]
+        if not below:
+            paths.append(path)
+        stack.extend(path + [c] for c in reversed(below))
+    return paths
