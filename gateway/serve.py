@@ -100,7 +100,7 @@ def start_worker(role: str, model: str, s: ServeSettings) -> Child:
     command = [sys.executable, "-m", "workers.cli", "worker", role, "--host", "127.0.0.1"]
     command += ["--port", str(port), "--model", model, "--metrics-port", "0"]
     command += ["--max-sessions", str(s.worker_max_sessions), "--max-seq-len", str(s.max_seq_len)]
-    command += ["--device", s.device, "--dtype", s.dtype]
+    command += ["--device", s.device, "--dtype", s.dtype, "--drain-s", "0"]  # gateway stops first
     preexec = die_with_parent if sys.platform.startswith("linux") else None
     process = subprocess.Popen(command, preexec_fn=preexec)  # noqa: PLW1509 - prctl only
     log.info("started %s worker pid %d on 127.0.0.1:%d", role, process.pid, port)

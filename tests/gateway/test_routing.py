@@ -194,19 +194,20 @@ def test_conversation_affinity_reuses_the_cached_prefix(tiny_dir):
 
 
 def test_least_loaded_target_first(tiny_dir):
-    backends = [slow_target(tiny_dir, "t0", 0.05), slow_target(tiny_dir, "t1", 0.05)]
+    backends = [slow_target(tiny_dir, "t0", 0.2), slow_target(tiny_dir, "t1", 0.2)]
     with live(tiny_dir, backends) as gateway:
         client = client_of(gateway)
         streams = [
             client.chat.completions.create(
-                model=MODEL, messages=CHAT, max_tokens=30, temperature=0, stream=True
+                model=MODEL, messages=CHAT, max_tokens=200, temperature=0, stream=True
             )
             for _ in range(2)
         ]
         for stream in streams:
-            next(iter(stream))
-        loads = sorted(w.load for w in gateway.gateway.router.targets.workers.values())
-        assert loads == [1, 1]
+            next(iter(stream))  # the role chunk: the choice binds its workers right after
+        workers = gateway.gateway.router.targets.workers.values()
+        wait_until(lambda: sum(w.load for w in workers) == 2, what="both streams bound")
+        assert sorted(w.load for w in workers) == [1, 1]
         for stream in streams:
             stream.close()
 
