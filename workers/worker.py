@@ -91,6 +91,7 @@ class WorkerSettings(BaseSettings):
             dtype=self.dtype,
             max_sessions=self.max_sessions,
             max_seq_len=self.max_seq_len,
+            max_tree_nodes=self.max_tree_nodes,
             cache_dir=self.cache_dir,
         )
 

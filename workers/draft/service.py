@@ -37,14 +37,14 @@ def check_spec(spec: TreeSpec, max_nodes: int) -> None:
             )
 
 
-def fit_spec(spec: TreeSpec, history_len: int, context_length: int) -> TreeSpec:
-    """Shrinks the depth so the tree being expanded fits in the session's cache.
+def fit_spec(spec: TreeSpec, history_len: int, cache_len: int) -> TreeSpec:
+    """Shrinks the depth so the tree being expanded fits in the session's cache slot.
 
     Expanding feeds the history's uncached tail, then at each later level at
     most `branching` nodes, so the slot holds at most
     history_len + (depth - 1) * branching entries.
     """
-    room = context_length - history_len
+    room = cache_len - history_len
     depth = min(spec.depth, 1 + room // spec.branching) if room > 0 else 0
     return spec if depth == spec.depth else replace(spec, depth=depth)
 
@@ -61,8 +61,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         batcher: Batcher[ProposeCall, object],
         thread: EngineThread,
         info: convert.WorkerInfo,
+        cache_len: int = 0,
     ):
         self.drafter = drafter
+        self.cache_len = cache_len  # entries per session slot; 0 = no cache (n-gram)
         self.batcher = batcher
         self.thread = thread
         self.info = info
@@ -70,9 +72,9 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
     async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
         call = convert.propose_call(request)
         check_spec(call.spec, self.info.max_tree_nodes)
-        if self.info.context_length:
+        if self.cache_len:
             history = call.base_len + len(call.tokens)
-            call = replace(call, spec=fit_spec(call.spec, history, self.info.context_length))
+            call = replace(call, spec=fit_spec(call.spec, history, self.cache_len))
         tree, timings = await self.batcher.submit(call)
         return convert.propose_response(tree, timings)
 
@@ -88,6 +90,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 async def serve_draft(engine: Engine | None, settings: WorkerSettings) -> WorkerServer:
     """Starts a draft worker over `engine`, or a model-free n-gram drafter when None."""
     metrics = WorkerMetrics("draft")
+    cache_len = 0
     if engine is None:
         table = SessionTable(settings.max_sessions, settings.idle_timeout_s)
         drafter: ModelDrafter | NgramDrafter = NgramDrafter(table)
@@ -106,6 +109,7 @@ async def serve_draft(engine: Engine | None, settings: WorkerSettings) -> Worker
         table = SessionTable(engine.num_slots, settings.idle_timeout_s)
         drafter = ModelDrafter(MeteredEngine(engine, metrics.observe_forward), table)
         info = engine_info("draft", engine, settings.max_tree_nodes)
+        cache_len = engine.context_length + engine.max_tree_nodes
     thread = EngineThread("draft-engine")
     batcher = Batcher(
         drafter.propose,
@@ -116,7 +120,7 @@ async def serve_draft(engine: Engine | None, settings: WorkerSettings) -> Worker
         max_tokens=settings.max_batch_tokens,
         on_batch=metrics.observe_batch,
     )
-    servicer = DraftServicer(drafter, batcher, thread, info)
+    servicer = DraftServicer(drafter, batcher, thread, info, cache_len)
     return await WorkerServer.start(
         "draft",
         SERVICE_NAME,

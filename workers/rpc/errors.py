@@ -68,13 +68,18 @@ def raise_for_status(error: grpc.aio.AioRpcError) -> None:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions to status codes, counts calls by method and code, tracks in-flight calls."""
+    """Maps exceptions to status codes, counts calls by method and code, tracks in-flight
+    calls, and refuses new ones once the worker shuts down."""
 
     def __init__(self, on_done: Callable[[str, str], None] = lambda method, code: None):
         self.on_done = on_done  # called with (method, status code name) after every call
         self.inflight = 0
+        self.refusing = False  # set on shutdown: new calls get UNAVAILABLE
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def refuse_new_calls(self) -> None:
+        self.refusing = True
 
     async def wait_idle(self) -> None:
         """Returns once no SpecSplit call is in flight."""
@@ -90,6 +95,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         inner = handler.unary_unary
 
         async def guarded(request, context):
+            if self.refusing:
+                self.on_done(method, grpc.StatusCode.UNAVAILABLE.name)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
             self.inflight += 1
             self._idle.clear()
             code = grpc.StatusCode.OK

@@ -142,19 +142,21 @@ class WorkerServer:
         run at once) get `grace_s` to finish.
         """
         if self._stopping:
-            return await self._stopped.wait()
+            await self._stopped.wait()
+            return
         self._stopping = True
         grace = self.options.grace_s if grace_s is None else grace_s
         drain = self.options.drain_s if drain_s is None else drain_s
         await self.health.enter_graceful_shutdown()
         if drain > 0:
             await asyncio.sleep(drain)
-        stopping = asyncio.create_task(self.server.stop(grace))  # refuses new calls at once
+        # refused by the interceptor rather than by server.stop(grace): grpcio can crash
+        # when a second stop() overlaps a pending one, and watches would hold a stop(grace)
+        self.interceptor.refuse_new_calls()
         self.batcher.drain()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.interceptor.wait_idle(), grace)
-        await self.server.stop(0)  # what is left are health watch streams
-        await stopping
+        await self.server.stop(0)  # cancels what is left: health watches, calls past the grace
         for task in self._tasks:
             task.cancel()
         await self.batcher.close()

@@ -79,7 +79,7 @@ async def serve_target(engine: Engine, settings: WorkerSettings) -> WorkerServer
         max_tokens=settings.max_batch_tokens,
         on_batch=metrics.observe_batch,
     )
-    info = engine_info("target", engine, settings.max_tree_nodes)
+    info = engine_info("target", engine, runner.max_tree_nodes)
     servicer = TargetServicer(runner, batcher, thread, info)
     return await WorkerServer.start(
         "target",
