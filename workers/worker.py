@@ -34,7 +34,7 @@ DEFAULT_MODELS = {"target": "smollm2-135m-instruct", "draft": "ngram"}
 class WorkerSettings(BaseSettings):
     model_config = settings_config("worker")
 
-    role: CliPositionalArg[Literal["draft", "target"]] = Field(description="which worker to run")
+    role: CliPositionalArg[Literal["draft", "target"]] = Field(description="draft or target")
     host: str = Field("0.0.0.0", description="interface to listen on")
     port: int | None = Field(
         None, ge=0, description="gRPC port; default 50051 (target), 50052 (draft); 0 = any free"

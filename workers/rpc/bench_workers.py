@@ -3,7 +3,9 @@
 Starts a target worker on the embedded model (SmolLM2-135M-Instruct) and an
 n-gram draft worker in this process, on localhost ports, then runs the
 speculation loop (workers.rpc.remote) for 1, 4 and 8 concurrent sessions on
-HumanEval prompts, greedy. Prints a Markdown table: aggregate verified tokens/s
+HumanEval prompts, greedy (`--draft none`: no draft, one token per round).
+Clients and both servers share this process and its event loop, which is
+itself part of what is measured. Prints a Markdown table: aggregate verified tokens/s
 (tokens the target committed, accepted + bonus, over all sessions) and its
 ratio to one session, the target's mean batch size, and the bytes on the wire
 per round (serialized request + response of Propose and of Verify).
@@ -18,6 +20,7 @@ import os
 import platform
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -41,6 +44,7 @@ class BenchWorkersSettings(BaseSettings):
     model: str = Field("smollm2-135m-instruct", description="the target model")
     sessions: list[int] = Field([1, 4, 8], description="concurrent sessions to measure")
     max_tokens: int = Field(48, ge=1, description="new tokens per session")
+    draft: Literal["ngram", "none"] = Field("ngram", description="n-gram draft worker, or none")
     tree_depth: int = Field(6, ge=0, description="n-gram draft tree depth")
     tree_budget: int = Field(16, ge=0, description="n-gram draft tree nodes")
     batch_wait_ms: float = Field(2.0, ge=0, description="the target's batching window")
@@ -131,7 +135,7 @@ async def run(s: BenchWorkersSettings) -> None:
         ):
             check_pair(await draft.info(), await target.info())
             spec = TreeSpec(depth=s.tree_depth, budget=s.tree_budget)
-            decoder = RemoteDecoder(target, draft, spec)
+            decoder = RemoteDecoder(target, draft if s.draft == "ngram" else None, spec)
             prompts = [encode(engine.tokenizer, p) for p in humaneval_prompts(most)]
             await decoder.generate(prompts[0][:32], 8, SamplingParams())  # warm up
             rows = [
@@ -143,9 +147,12 @@ async def run(s: BenchWorkersSettings) -> None:
         await draft_server.shutdown(0)
     widest = max(rows, key=lambda r: r.sessions).outputs
     same = all(r.outputs == widest[: r.sessions] for r in rows)
+    drafting = f"n-gram draft (depth {s.tree_depth}, budget {s.tree_budget})"
+    if s.draft == "none":
+        drafting = "no draft (one token per round)"
     print(
-        f"target {s.model}, n-gram draft (depth {s.tree_depth}, budget {s.tree_budget}), "
-        f"{s.max_tokens} new tokens per session, greedy, HumanEval prompts"
+        f"target {s.model}, {drafting}, {s.max_tokens} new tokens per session, greedy, "
+        f"HumanEval prompts, batch wait {s.batch_wait_ms} ms"
     )
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, "
