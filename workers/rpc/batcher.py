@@ -11,7 +11,8 @@ arrive from many gRPC handlers and hands them to the runner's batched step
 
 Calls that queued while the previous step ran are already old enough, so
 under load batches form without any added wait. A session appears at most
-once per batch; a second call of the same session waits for the next one.
+once per batch; a second call of the same session goes in the next one,
+as does a call that did not fit, without waiting again.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class _Queued(Generic[C]):
     cost: int
     arrived_ns: int
     future: asyncio.Future
+    passed_over: bool = False  # left out of a batch (its session was in it, or it was full)
 
 
 class Batcher(Generic[C, R]):
@@ -140,8 +142,9 @@ class Batcher(Generic[C, R]):
 
     async def _gather(self) -> None:
         """Waits until the oldest call is wait_ns old or the queue is full."""
-        left_ns = self._queue[0].arrived_ns + self.wait_ns - time.perf_counter_ns()
-        if left_ns <= 0 or self._queued_cost >= self.max_tokens:
+        oldest = self._queue[0]
+        left_ns = oldest.arrived_ns + self.wait_ns - time.perf_counter_ns()
+        if left_ns <= 0 or oldest.passed_over or self._queued_cost >= self.max_tokens:
             return
         self._full.clear()
         with contextlib.suppress(TimeoutError):
@@ -158,6 +161,7 @@ class Batcher(Generic[C, R]):
             if q.future.done():  # the caller went away (cancelled, deadline)
                 self._queued_cost -= q.cost
             elif q.key in keys or (batch and cost + q.cost > self.max_tokens):
+                q.passed_over = True
                 rest.append(q)
             else:
                 batch.append(q)
