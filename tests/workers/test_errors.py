@@ -36,12 +36,13 @@ BAD_VERIFY = {
     "negative temperature": dict(sampling=pb.SamplingParams(temperature=-1)),
     "num_logprobs below -1": dict(num_logprobs=-2),
     "history over the context": dict(tokens=[1] * 300),
+    "no session id": dict(session_id=""),
 }
 
 
 def bad_request(case: dict, session_id: str, base_len: int = 0) -> pb.VerifyRequest:
-    fields = {"tokens": [1, 2, 3], **case}
-    return pb.VerifyRequest(session_id=session_id, base_len=base_len, **fields)
+    fields = {"tokens": [1, 2, 3], "session_id": session_id, **case}
+    return pb.VerifyRequest(base_len=base_len, **fields)
 
 
 async def code_of(call) -> grpc.StatusCode:
@@ -64,7 +65,8 @@ async def test_malformed_verify_requests_are_rejected_and_others_unharmed():
         for name, case in BAD_VERIFY.items():
             code = await code_of(stub.Verify(bad_request(case, "bad")))
             assert code == grpc.StatusCode.INVALID_ARGUMENT, name
-            if "tokens" not in case:  # the same mistake on the live session leaves it intact
+            # the same mistake on the live session leaves it intact
+            if not {"tokens", "session_id"} & set(case):
                 request = bad_request(case, "ok", base_len=len(history))
                 request.ClearField("tokens")
                 code = await code_of(stub.Verify(request))

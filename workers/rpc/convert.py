@@ -124,6 +124,12 @@ def timings_from_proto(msg: pb.Timings) -> Timings:
     return Timings(msg.queue_ns, msg.forward_ns, msg.batch_size)
 
 
+def _session_id(msg) -> str:
+    if not msg.session_id:
+        raise ValueError("session_id is empty")
+    return msg.session_id
+
+
 def _logprobs_field(num_logprobs: int) -> dict:
     return {} if num_logprobs < 0 else {"num_logprobs": num_logprobs}
 
@@ -148,7 +154,8 @@ def propose_request(call: ProposeCall) -> pb.ProposeRequest:
 
 
 def propose_call(msg: pb.ProposeRequest) -> ProposeCall:
-    return ProposeCall(msg.session_id, msg.base_len, list(msg.tokens), spec_from_proto(msg.policy))
+    spec = spec_from_proto(msg.policy)
+    return ProposeCall(_session_id(msg), msg.base_len, list(msg.tokens), spec)
 
 
 def propose_response(tree: TokenTree, timings: Timings) -> pb.ProposeResponse:
@@ -171,7 +178,7 @@ def verify_request(call: VerifyCall) -> pb.VerifyRequest:
 
 def verify_call(msg: pb.VerifyRequest) -> VerifyCall:
     return VerifyCall(
-        msg.session_id,
+        _session_id(msg),
         msg.base_len,
         list(msg.tokens),
         tree_from_proto(msg.tree),
@@ -195,7 +202,7 @@ def prefill_call(msg: pb.PrefillRequest) -> VerifyCall:
     """A prefill is a verify that starts over from the prompt with an empty tree."""
     params = params_from_proto(msg.sampling)
     tokens = list(msg.tokens)
-    return VerifyCall(msg.session_id, 0, tokens, TokenTree.empty(), params, _num_logprobs(msg))
+    return VerifyCall(_session_id(msg), 0, tokens, TokenTree.empty(), params, _num_logprobs(msg))
 
 
 def verify_response(outcome: VerifyOutcome, timings: Timings) -> pb.VerifyResponse:

@@ -3,8 +3,9 @@
 `WorkerServer.start` binds the port with the error interceptor, registers the
 service and the standard `grpc.health.v1` health service, starts the batcher,
 the idle-session reaper and the /metrics HTTP server. `shutdown` is what
-SIGTERM does: health goes NOT_SERVING, new calls are refused, in-flight calls
-finish within the grace period, then everything stops.
+SIGTERM does: health goes NOT_SERVING (calls are still served for drain_s),
+then new calls are refused with UNAVAILABLE, queued and in-flight calls
+finish within the grace period, and everything stops.
 """
 
 from __future__ import annotations
