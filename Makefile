@@ -39,5 +39,17 @@ proto: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/specsplit bench engine $(ARGS)
 
+# Locust against a running SpecSplit (`make run` in another shell), headless;
+# CSV files (specsplit_stats.csv, ...) and report.html land in $(RESULTS).
+URL ?= http://$(HOST):$(PORT)
+USERS ?= 4
+DURATION ?= 60s
+RESULTS ?= loadtest/results
+loadtest: $(STAMP)
+	mkdir -p $(RESULTS)
+	$(BIN)/locust -f loadtest/locustfile.py --headless --host $(URL) \
+		--users $(USERS) --spawn-rate $(USERS) --run-time $(DURATION) --stop-timeout 120 \
+		--csv $(RESULTS)/specsplit --html $(RESULTS)/report.html $(ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,13 +1,16 @@
 """Shared pieces of the deploy-kit tests: paths, tools, metric names, one live server.
 
-The embedded tests (Prometheus scraping, Locust) share one `specsplit serve`
-on SmolLM2 with the in-gateway n-gram draft, started once per session.
+The embedded tests (Prometheus scraping, Locust: test_live.py) share one
+`specsplit serve` on SmolLM2 with the in-gateway n-gram draft; it lives as long
+as that module, so no idle server stays behind for the rest of the suite.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -58,9 +61,9 @@ def exported_metric_names() -> set[str]:
 WORKER_LINE = re.compile(r"(draft|target) worker serving .* \(metrics on port (\d+)\)")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def live_serve(tmp_path_factory):
-    """`specsplit serve` (one target worker, n-gram draft in the gateway) for the session.
+    """`specsplit serve` (one target worker, n-gram draft in the gateway) for one module.
 
     Yields (serve, worker_metrics) where worker_metrics maps the worker's role to
     its /metrics port (serve starts workers with --metrics-port 0; each logs its port).
@@ -79,3 +82,31 @@ def live_serve(tmp_path_factory):
         yield server, ports
     finally:
         assert server.stop() == 0
+
+
+@pytest.fixture(scope="session")
+def prometheus_binary() -> str:
+    """Prometheus from Debian's package, installed with apt-get when it is not on PATH."""
+    found = shutil.which("prometheus")
+    if found:
+        return found
+    if shutil.which("apt-get") is None:
+        pytest.skip("prometheus is not installed and there is no apt-get to install it")
+    if os.geteuid() != 0:
+        pytest.skip("prometheus is not installed; `apt-get install prometheus` needs root")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    apt = ["apt-get", "-o", "DPkg::Lock::Timeout=300", "-q"]
+    install = [*apt, "install", "-y", "--no-install-recommends", "prometheus"]
+
+    def run(command):
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+
+    result = run(install)
+    if result.returncode != 0:  # no package lists yet, or stale ones
+        update = run([*apt, "update"])
+        if update.returncode != 0:
+            pytest.skip(f"apt-get update failed (no network?): {update.stderr.strip()[-500:]}")
+        result = run(install)
+    found = shutil.which("prometheus")
+    assert found, f"apt-get install prometheus failed:\n{result.stdout[-2000:]}{result.stderr}"
+    return found
