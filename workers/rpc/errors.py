@@ -106,8 +106,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             except asyncio.CancelledError:
                 code = grpc.StatusCode.CANCELLED
                 raise
-            except grpc.aio.AbortError:
-                code = context.code() or grpc.StatusCode.UNKNOWN
+            except grpc.aio.AbortError:  # a method that set its own status
+                aborted = context.code()
+                code = aborted if isinstance(aborted, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
                 raise
             except Exception as error:  # noqa: BLE001 - every error becomes a status
                 code = status_of(error)
