@@ -107,7 +107,8 @@ class ModelDrafter:
     def start(self, call: ProposeCall, busy: set[str]) -> Expansion | None:
         """Syncs the session; returns its expansion, or None when no tree is wanted."""
         check_tokens(call.tokens, self.engine.vocab_size)
-        session = self.table.sync(call.session_id, call.base_len, call.tokens, busy).session
+        synced = self.table.sync(call.session_id, call.base_len, call.tokens, busy, rollback=True)
+        session = synced.session
         absorb(self.engine, session)
         if session.cached == len(session.committed):  # the root must be fed for its logits
             session.cached -= 1
@@ -212,13 +213,15 @@ class NgramDrafter:
             try:
                 if self.vocab_size is not None:
                     check_tokens(call.tokens, self.vocab_size)
-                synced = self.table.sync(call.session_id, call.base_len, call.tokens)
+                synced = self.table.sync(call.session_id, call.base_len, call.tokens, rollback=True)
                 spec = call.spec
                 if spec.depth == 0 or spec.budget == 0:
                     results.append(TokenTree.empty())
                 else:
                     history = synced.session.committed
-                    results.append(ngram_tree(history, depth=spec.depth, budget=spec.budget))
+                    chain = spec.branching == 1
+                    tree = ngram_tree(history, depth=spec.depth, budget=spec.budget, chain=chain)
+                    results.append(tree)
             except Exception as error:  # noqa: BLE001 - returned to that caller only
                 results.append(error)
         return results

@@ -75,12 +75,27 @@ class SessionTable:
         return session
 
     def sync(
-        self, session_id: str, base_len: int, tokens: list[int], busy: set[str] = frozenset()
+        self,
+        session_id: str,
+        base_len: int,
+        tokens: list[int],
+        busy: set[str] = frozenset(),
+        rollback: bool = False,
     ) -> SyncResult:
-        """Brings a session up to `base_len` + `tokens`; see the module docstring."""
+        """Brings a session up to `base_len` + `tokens`; see the module docstring.
+
+        With `rollback`, a session holding more than `base_len` tokens first
+        drops the tokens past it: a draft's history may run ahead on a guess
+        (the gateway's overlapped loop), and a draft cannot affect the output.
+        """
         if base_len == 0:
             return self.restart(session_id, tokens, busy)
         session = self.get(session_id)
+        if rollback and len(session.committed) > base_len:
+            del session.committed[base_len:]
+            if session.cached > base_len:  # the cached region no longer lines up
+                session.cached = base_len
+                session.region_tokens, session.region_parents, session.region_fed = [], [], 0
         if len(session.committed) != base_len:
             raise SessionNotFound(
                 f"session {session_id!r} holds {len(session.committed)} tokens, "

@@ -4,15 +4,28 @@ Prompt lookup decoding (Saxena 2023) copies the tokens that followed an
 earlier occurrence of the last few tokens. Here several earlier occurrences
 are merged into a trie, so one round verifies all their continuations at once
 (a deterministic draft: the tree carries no q rows).
+
+Which nodes a budget keeps is decided as EAGLE-2 ranks a model draft's
+nodes: by an estimate of the probability that verification reaches them.
+Each match votes for its continuation with weight RECENCY_DECAY ** rank (rank
+0 = the most recent match); a trie edge is taken with the share of its
+parent's votes that go through it; every level costs a factor COPY_PROB more
+(a copied run ends somewhere). So the most recent, best supported
+continuation forms the spine, and alternatives at early divergence points
+outrank the spine's deepest tokens.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 from workers.spec.tree import TokenTree
+
+RECENCY_DECAY = 0.7  # vote of a match relative to the next more recent one
+COPY_PROB = 0.8  # chance that a copied run goes on for one more token
 
 
 def _continuations(
@@ -43,6 +56,7 @@ def ngram_tree(
     budget: int = 16,
     max_matches: int = 8,
     window: int = 4096,
+    chain: bool = False,
 ) -> TokenTree:
     """Draft tree from up to ``max_matches`` earlier continuations of the history's suffix.
 
@@ -50,14 +64,15 @@ def ngram_tree(
     - match the longest suffix n-gram, n from max_ngram down to min_ngram, in
       the last ``window`` tokens only (bounds the cost on long histories);
     - each match contributes the next ``depth`` tokens; continuations merge
-      into a trie where they share a prefix; a node's *support* is the number
-      of matches through it and its *recency* the rank of the most recent one;
-    - siblings are ordered by support (more first), then recency;
-    - at most ``budget`` nodes are kept, by (support desc, recency, depth).
-      That order puts every node after its parent (support never grows and
-      recency never improves down a path) and after its elder siblings, so the
-      kept prefix is closed under ancestors and elder siblings; nodes are
-      numbered in that order, which is topological.
+      into a trie where they share a prefix;
+    - a node's score is its estimated log-probability of being reached (see
+      the module docstring); at most ``budget`` nodes are kept, best score
+      first (ties: the node made first, i.e. from the more recent match).
+      A child scores strictly below its parent and siblings are numbered by
+      score, so every prefix of the numbering is closed under ancestors and
+      elder siblings, and the numbering is topological;
+    - ``chain``: only the spine (each kept node's best child), at most
+      ``budget`` tokens: the best single continuation, for a chain draft.
     Returns the empty tree when nothing matches.
     """
     if not 1 <= min_ngram <= max_ngram:
@@ -75,29 +90,40 @@ def ngram_tree(
     if not conts:
         return TokenTree.empty()
 
-    # trie over the continuations; rank 0 is the most recent match
+    # trie over the continuations, each voting RECENCY_DECAY ** rank (rank 0: most recent)
     token: list[int] = []
     parent: list[int] = []
-    support: list[int] = []
-    recency: list[int] = []
-    level: list[int] = []
+    votes: list[float] = []
     index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
     for rank, cont in enumerate(conts):
+        weight = RECENCY_DECAY**rank
         at = -1
-        for d, tok in enumerate(cont):
+        for tok in cont:
             node = index.get((at, tok))
             if node is None:
                 node = len(token)
                 index[(at, tok)] = node
                 token.append(tok)
                 parent.append(at)
-                support.append(0)
-                recency.append(rank)
-                level.append(d + 1)
-            support[node] += 1
+                votes.append(0.0)
+            votes[node] += weight
             at = node
+    root_votes = sum(RECENCY_DECAY**rank for rank in range(len(conts)))
+    # log P(reached) = sum over the path of log(COPY_PROB * votes(node) / votes(parent));
+    # parents are made before their children, so their scores are ready
+    score: list[float] = []
+    for i, p in enumerate(parent):
+        share = votes[i] / (root_votes if p < 0 else votes[p])
+        score.append(math.log(COPY_PROB * share) + (0.0 if p < 0 else score[p]))
 
-    order = sorted(range(len(token)), key=lambda i: (-support[i], recency[i], level[i]))
+    order = sorted(range(len(token)), key=lambda i: (-score[i], i))
+    if chain:
+        spine, at = [], -1
+        for i in order:  # the first child of `at` in score order is its best child
+            if parent[i] == at:
+                spine.append(i)
+                at = i
+        order = spine
     kept = order[:budget]
     new_index = {old: new for new, old in enumerate(kept)}
     tokens = torch.tensor([token[i] for i in kept], dtype=torch.long)  # (N,)
