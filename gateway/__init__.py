@@ -10,6 +10,8 @@ One file per concern, in the order a request meets them:
     prompts.py      chat template / prompts -> token ids; limits and context checks
     generation.py   the one generator of deltas (all choices of a request)
     speculation.py  one choice's loop: propose -> verify -> commit -> emit, failover
+    adaptive.py     each round's tree sized to the session's acceptance and the target's load
+    overlap.py      the overlapped loop's look-ahead: draft round k+1 while k is verified
     text.py         incremental detokenizer, stop strings (both hold text back)
     responses.py    deltas -> stream chunks (SSE) or one collected response
     pool.py         worker pools (health, DNS), the router (least loaded, affinity)

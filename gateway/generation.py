@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from gateway.metrics import Metrics
 from gateway.pool import Admission, Router
-from gateway.speculation import ChoicePlan, SpecCounters, Speculation
+from gateway.speculation import ChoicePlan, LoopOptions, SpecCounters, Speculation
 from gateway.text import Piece, TextStream
 from workers.draft.runner import TreeSpec
 from workers.spec.sampling import SamplingParams
@@ -99,6 +99,7 @@ class Generator:
     router: Router
     tokenizer: object
     metrics: Metrics
+    options: LoopOptions = LoopOptions()  # how trees are made (adaptive, overlapped)
 
     async def generate(
         self, request: GenerationRequest, record: Record, admission: Admission
@@ -117,7 +118,9 @@ class Generator:
     async def choice(
         self, index: int, request: GenerationRequest, record: Record
     ) -> AsyncIterator[Delta]:
-        speculation = Speculation(self.router, request.plan(index), self.metrics, index)
+        speculation = Speculation(
+            self.router, request.plan(index), self.metrics, index, self.options
+        )
         text = TextStream(self.tokenizer, request.stop)
         last_round: float | None = None
         try:

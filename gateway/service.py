@@ -87,7 +87,7 @@ class Gateway:
             retry_after_s=max(1, round(settings.health_interval_s)),
         )
         await asyncio.gather(*(p.start() for p in (targets, drafts) if p is not None))
-        generator = Generator(router, tokenizer, metrics)
+        generator = Generator(router, tokenizer, metrics, settings.loop_options)
         return cls(settings, tokenizer, router, metrics, generator, int(time.time()))
 
     async def close(self) -> None:

@@ -12,6 +12,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
+from gateway.adaptive import AdaptiveConfig
+from gateway.speculation import LoopOptions
 from workers.draft.runner import TreeSpec
 from workers.settings import settings_config
 
@@ -33,6 +35,20 @@ class GatewayOptions(BaseSettings):
     tree_depth: int = Field(6, ge=0, description="most draft tokens along one path")
     tree_branching: int = Field(2, ge=1, description="children per expanded node; 1 = chain")
     tree_budget: int = Field(16, ge=0, description="most draft tree nodes per round")
+    adaptive_tree: bool = Field(
+        True,
+        description="size each round's tree (within depth and budget) to the session's recent "
+        "acceptance and the target's live sessions; false = always the full tree",
+    )
+    adaptive_knee_tokens: float = Field(
+        20.0,
+        ge=0,
+        description="a target forward's fixed cost in tokens fed (about 20 for a small model "
+        "on CPU, hundreds on a GPU): how much a tree node costs next to a whole forward",
+    )
+    overlap_draft: bool = Field(
+        False, description="draft the next round's tree while the target verifies this one"
+    )
     health_interval_s: float = Field(2.0, gt=0, description="seconds between worker health checks")
     dns_refresh_s: float = Field(
         30.0, ge=0, description="seconds between re-resolving worker names; 0 = never"
@@ -44,6 +60,11 @@ class GatewayOptions(BaseSettings):
     @property
     def tree_spec(self) -> TreeSpec:
         return TreeSpec(self.tree_depth, self.tree_branching, self.tree_budget)
+
+    @property
+    def loop_options(self) -> LoopOptions:
+        adaptive = AdaptiveConfig(self.adaptive_knee_tokens) if self.adaptive_tree else None
+        return LoopOptions(adaptive, self.overlap_draft)
 
     @property
     def model_name(self) -> str:

@@ -17,27 +17,46 @@ Failures, by role:
 - target: NOT_FOUND -> re-send to it; down -> another target with the full
   history (failover); busy -> another target; none left -> 503 (429 when
   they were all busy); refused as malformed -> 400.
+
+Two options change how trees are made, never what is committed:
+- adaptive trees (gateway.adaptive): each round's depth and budget follow
+  the session's recent acceptance and the target's live sessions;
+- the overlapped loop (gateway.overlap): while round k is verified, the
+  draft already proposes round k+1 after the guess that round k accepts the
+  tree's spine; a right guess saves the round its propose.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, fields, replace
 
+from gateway.adaptive import Acceptance, AdaptiveConfig, adapt
 from gateway.backend import InvalidCall, Role, SessionLost, WorkerBusy, WorkerError
 from gateway.errors import APIError
 from gateway.metrics import Metrics
+from gateway.overlap import Lookahead, spine
 from gateway.pool import Router, Worker
 from workers.draft.runner import ProposeCall, TreeSpec
+from workers.engine.sessions import common_prefix
 from workers.spec.sampling import SamplingParams
-from workers.spec.tree import TokenTree
+from workers.spec.tree import TokenTree, depths
 from workers.target.runner import TokenLogprob, VerifyCall, VerifyOutcome
 
 log = logging.getLogger("specsplit.gateway")
 
 ATTEMPTS = 4  # calls per round and role before giving up (plus one per worker in the pool)
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """How the loop makes trees (gateway settings); the committed tokens never depend on it."""
+
+    adaptive: AdaptiveConfig | None = None  # None: every round proposes the plan's full tree
+    overlap: bool = False  # draft round k+1 while round k is verified
 
 
 @dataclass(frozen=True)
@@ -72,6 +91,8 @@ class SpecCounters:
     prefix_hit_tokens: int = 0  # cached prompt tokens a target reused on (re)start
     history_resends: int = 0  # full histories re-sent after NOT_FOUND
     failovers: int = 0  # moves to another worker after a failure
+    lookahead_hits: int = 0  # rounds whose tree was drafted during the previous verify
+    lookahead_misses: int = 0  # look-ahead trees discarded (the guess was wrong)
 
     def add(self, other: SpecCounters) -> None:
         for f in fields(self):
@@ -98,6 +119,7 @@ class Speculation:
     plan: ChoicePlan
     metrics: Metrics
     index: int = 0  # the choice's index in its request
+    options: LoopOptions = LoopOptions()
     history: list[int] = field(init=False)
     draft: Binding = field(default_factory=Binding)
     target: Binding = field(default_factory=Binding)
@@ -107,6 +129,8 @@ class Speculation:
     def __post_init__(self):
         self.history = list(self.plan.prompt)
         self.session_id = self.router.session_id(self.plan.affinity, self.index)
+        self.acceptance = Acceptance.prior(self.options.adaptive or AdaptiveConfig())
+        self.lookahead: Lookahead | None = None
 
     @property
     def generated(self) -> int:
@@ -118,8 +142,9 @@ class Speculation:
         try:
             while self.finish_reason is None:
                 start = time.perf_counter()
-                tree, degraded = await self.propose()
+                tree, degraded = await self.next_tree()
                 proposed = time.perf_counter()
+                self.look_ahead(tree)
                 outcome = await self.verify(tree)
                 verified = time.perf_counter()
                 if self.router.drafts is not None:
@@ -132,8 +157,55 @@ class Speculation:
             clean = True
             raise
         finally:
+            if self.lookahead is not None:
+                await self.lookahead.cancel()
+                self.lookahead = None
             # a conversation keeps its sessions (and their cached prefix) for its next turn
             self.close(keep=clean and self.plan.affinity is not None)
+
+    async def next_tree(self) -> tuple[TokenTree, bool]:
+        """The look-ahead tree when its guess came true, else a fresh propose."""
+        ahead, self.lookahead = self.lookahead, None
+        if ahead is None:
+            return await self.propose()
+        tree = await ahead.result()
+        committed = self.history[ahead.base :]
+        if tree is None:  # the call failed: the draft holds what it held before, or the guess
+            self.draft.held = min(self.draft.held, ahead.held_before)
+        else:  # the draft holds history[:base] + guess; keep what the outcome agrees with
+            self.draft.held = ahead.base + common_prefix(ahead.guess, committed)
+        ready = ahead.next_tree(tree, committed) if tree is not None else None
+        if ready is not None:
+            self.counters.lookahead_hits += 1
+            return ready, False
+        self.counters.lookahead_misses += 1
+        return await self.propose()
+
+    @property
+    def expected_accepted(self) -> float:
+        """Draft tokens a round is expected to accept, alpha / (1 - alpha), from recent rounds."""
+        rate = min(self.acceptance.rate, 0.99)
+        return rate / (1 - rate)
+
+    def look_ahead(self, tree: TokenTree) -> None:
+        """With the overlapped loop, starts drafting the round after this one (see
+        gateway.overlap): after the history plus the tree's spine, one level deeper."""
+        if not self.options.overlap or not len(tree) or self.draft.worker is None:
+            return
+        guess = spine(tree)[: round(self.expected_accepted)]
+        if self.plan.max_tokens - self.generated - len(guess) - 1 <= 1:
+            return  # the next round, if any, wants no draft
+        spec = self.tree_spec(extra=len(guess) + 1)
+        if spec is None:
+            return
+        budget = spec.budget  # the next round's; the look-ahead drafts its guesses of the bonus
+        worker = self.draft.worker  # and a subtree under each, so it gets more room
+        room = worker.info.max_tree_nodes if worker.info and worker.info.max_tree_nodes else 255
+        spec = replace(spec, depth=spec.depth + 1, budget=min(2 * budget + 1, room))
+        held = self.draft.held
+        call = ProposeCall(self.session_id, held, self.history[held:] + guess, spec)
+        task = asyncio.get_running_loop().create_task(worker.backend.propose(call))
+        self.lookahead = Lookahead(len(self.history), guess, held, budget, task)
 
     async def propose(self) -> tuple[TokenTree, bool]:
         """The draft's tree after the history, and whether the round is degraded."""
@@ -217,16 +289,27 @@ class Speculation:
         c.verify_steps += 1
         c.emitted_tokens += len(outcome.emitted)
         c.degraded_rounds += degraded
+        if len(tree):
+            path_depth = int(depths(tree.parents).max())
+            config = self.options.adaptive or AdaptiveConfig()
+            self.acceptance.observe(len(outcome.accepted), path_depth, config)
         self.metrics.observe_round(len(tree), len(outcome.accepted), degraded, outcome.prefix_hit)
         logprobs = outcome.logprobs[: len(tokens)] if outcome.logprobs is not None else None
         return Round(tokens, logprobs, self.finish_reason)
 
-    def tree_spec(self) -> TreeSpec | None:
-        """This round's tree: no deeper than the tokens still wanted, within the target's limit."""
+    def tree_spec(self, extra: int = 0) -> TreeSpec | None:
+        """This round's tree: adapted to acceptance and load when asked, no deeper than the
+        tokens still wanted, within the target's limit. `extra`: tokens the round is
+        drafted ahead of the history (a look-ahead)."""
         if self.router.drafts is None:
             return None
         spec = self.plan.spec
-        depth = min(spec.depth, self.plan.max_tokens - self.generated - 1)
+        if self.options.adaptive is not None:
+            load = self.target.worker.load if self.target.worker else 1
+            spec = adapt(spec, self.acceptance, load, self.options.adaptive)
+            if spec is None:
+                return None
+        depth = min(spec.depth, self.plan.max_tokens - self.generated - extra - 1)
         budget = spec.budget
         info = self.target.worker.info if self.target.worker else None
         if info is not None and info.max_tree_nodes > 0:

@@ -1,0 +1,101 @@
+"""Adaptive speculation: the policy reacts to acceptance and load, and never changes output."""
+
+from __future__ import annotations
+
+import pytest
+from openai import OpenAI
+
+from gateway.adaptive import (
+    Acceptance,
+    AdaptiveConfig,
+    adapt,
+    best_depth,
+    expected_tokens,
+)
+from tests.gateway.helpers import MODEL, live, model_draft, target
+from workers.draft.runner import TreeSpec
+
+CONFIG = AdaptiveConfig(knee_tokens=20.0, ewma=0.3, prior_rate=0.8, probe_every=4)
+SPEC = TreeSpec(depth=12, branching=2, budget=24)
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_acceptance_estimate_follows_the_rounds():
+    acceptance = Acceptance.prior(CONFIG)
+    assert acceptance.rate == pytest.approx(0.8)
+    for _ in range(20):
+        acceptance.observe(0, 6, CONFIG)  # rejected at once, every round
+    low = acceptance.rate
+    assert low < 0.05
+    for _ in range(20):
+        acceptance.observe(6, 6, CONFIG)  # the whole path accepted: no rejection counted
+    assert acceptance.rate > 0.95
+    before = acceptance.rate
+    acceptance.observe(0, 0, CONFIG)  # nothing drafted: nothing learnt
+    assert acceptance.rate == before
+
+
+def test_depth_grows_with_acceptance_and_shrinks_with_load():
+    depths = [best_depth(rate, 1, 16, 20.0) for rate in (0.1, 0.5, 0.8, 0.95)]
+    assert depths == sorted(depths) and depths[0] < depths[-1]
+    by_load = [best_depth(0.8, s, 16, 20.0) for s in (1, 4, 8, 16, 64)]
+    assert by_load == sorted(by_load, reverse=True) and by_load[0] > by_load[-1]
+    assert best_depth(0.3, 16, 16, 20.0) == 0  # poor acceptance at high load: plain decoding
+    assert best_depth(0.99, 1, 6, 20.0) == 6  # never past the configured depth
+    assert best_depth(0.8, 16, 16, 2000.0) > best_depth(0.8, 16, 16, 20.0)  # GPU-like knee
+
+
+def test_adapt_keeps_the_shape_within_the_configured_tree():
+    acceptance = Acceptance(accepted=0.95, rejected=0.05)
+    full = adapt(SPEC, acceptance, 1, CONFIG)
+    assert full.depth <= SPEC.depth and full.budget <= SPEC.budget
+    assert full.budget == max(full.depth, round(full.depth * SPEC.budget / SPEC.depth))
+    loaded = adapt(SPEC, acceptance, 16, CONFIG)
+    assert loaded.depth < full.depth and loaded.budget < full.budget
+    assert loaded.branching == SPEC.branching
+    assert adapt(TreeSpec(depth=0), acceptance, 1, CONFIG) is None
+
+
+def test_speculation_backs_off_and_probes():
+    acceptance = Acceptance(accepted=0.05, rejected=0.95)
+    specs = [adapt(SPEC, acceptance, 16, CONFIG) for _ in range(8)]
+    probes = [s for s in specs if s is not None]
+    assert len(probes) == 2  # every probe_every-th round drafts one level
+    assert all(s.depth == 1 for s in probes)
+    assert specs[CONFIG.probe_every - 1] is not None
+
+
+@pytest.fixture(scope="module")
+def greedy_texts(tiny_dir, tiny_draft_dir):
+    """Greedy replies with adaptive trees off (the reference) and on, at 1 and 3 streams."""
+    prompts = ["one two three one two three one", "hello world , the cat sat on the mat"]
+    out = {}
+    for adaptive in (False, True):
+        backends = [target(tiny_dir), model_draft(tiny_draft_dir)]
+        with live(tiny_dir, backends, adaptive_tree=adaptive, tree_depth=6) as gateway:
+            client = OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+            texts, stats = [], []
+            for prompt in prompts:
+                reply = client.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": prompt}],
+                    max_tokens=40,
+                    temperature=0,
+                    extra_body={"speculation_stats": True},
+                )
+                texts.append(reply.choices[0].message.content)
+                stats.append(reply.model_extra["speculation_stats"])
+            out[adaptive] = texts, stats
+    return out
+
+
+def test_adaptive_trees_do_not_change_the_output(greedy_texts):
+    fixed, _ = greedy_texts[False]
+    adaptive, stats = greedy_texts[True]
+    assert adaptive == fixed
+    assert sum(s["accepted_tokens"] for s in stats) > 0
