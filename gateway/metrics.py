@@ -35,6 +35,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 MAX_POSITION = 16  # accepted-per-position label values run 0..MAX_POSITION ("16" = 16 and deeper)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# round phases run from sub-millisecond (gateway work, an n-gram draft) to seconds
+PHASE_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.003) + LATENCY_BUCKETS
 RATE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -74,7 +76,7 @@ class Metrics:
             "specsplit_round_phase_seconds",
             "Time of one speculation round by phase (draft, verify, gateway)",
             ["phase"],
-            buckets=LATENCY_BUCKETS,
+            buckets=PHASE_BUCKETS,
             registry=r,
         )
         self.draft_tokens = Counter(
