@@ -1,5 +1,7 @@
 """`specsplit bench engine`: side-by-side decoding speed on one model, in one run.
 
+(`specsplit bench` without `engine` runs the full suite: workers/benchmarks/.)
+
 Runs, on the same prompts and the same machine:
   - transformers `generate` greedy (target only),
   - transformers prompt-lookup `generate` (`prompt_lookup_num_tokens`),
@@ -139,8 +141,13 @@ def run_engine_bench(s: EngineBenchSettings) -> str:
 
 
 def main(argv: list[str]) -> None:
+    """`specsplit bench [options]`: the side-by-side suite (workers.benchmarks.suite);
+    `specsplit bench engine [options]`: the in-process engine comparison above."""
     if not argv or argv[0] != "engine":
-        raise SystemExit("usage: specsplit bench engine [--max-tokens N] [--prompts N]")
+        from workers.benchmarks.suite import main as suite
+
+        suite(argv)
+        return
     s = parse(EngineBenchSettings, argv[1:])
     table = run_engine_bench(s)
     print(table)

@@ -1,0 +1,111 @@
+"""`specsplit bench`: its figures, its report and its workloads (no models, no servers)."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from workers.benchmarks import report
+from workers.benchmarks.measure import Figures, Timed, histogram_quantile, percentile
+from workers.benchmarks.serving import ServeConfig, spread_tokens
+from workers.benchmarks.suite import BenchSettings, Result, Run, serve_configs
+from workers.benchmarks.workloads import messages
+
+
+def timed(start: float, chunks: list[tuple[float, int]], stats: dict | None = None) -> Timed:
+    t = Timed(start, end=chunks[-1][0], chunks=chunks, tokens=sum(n for _, n in chunks))
+    t.stats = stats
+    return t
+
+
+def test_itl_counts_each_token_of_a_chunk_once():
+    t = timed(0.0, [(1.0, 1), (1.6, 3), (1.8, 1)])
+    assert t.ttft == 1.0
+    assert t.itl() == pytest.approx([0.2, 0.2, 0.2, 0.2])
+
+
+def test_percentiles():
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+    buckets = [(0.001, 0.0), (0.002, 10.0), (0.005, 20.0), (float("inf"), 20.0)]
+    assert histogram_quantile(buckets, 0.5) == pytest.approx(0.002)
+    assert histogram_quantile(buckets, 0.25) == pytest.approx(0.0015)
+    assert histogram_quantile([(float("inf"), 0.0)], 0.5) is None
+
+
+def test_figures_pool_requests_and_speculation_counters():
+    stats = {"verify_steps": 2, "emitted_tokens": 5, "draft_tokens": 8, "accepted_tokens": 3}
+    a = timed(0.0, [(0.5, 2), (1.0, 3)], stats)
+    b = timed(1.0, [(1.5, 1), (2.0, 4)], stats)
+    f = Figures.of([a, b], wall_s=2.0)
+    assert f.tokens == 10 and f.tok_s_stream == pytest.approx(10 / 2.0)
+    assert f.tau == pytest.approx(10 / 4) and f.acceptance == pytest.approx(6 / 16)
+    assert f.ttft_p50_ms == pytest.approx(500.0)
+    assert f.lookahead_hit_rate is None
+
+
+def test_chunk_token_shares_add_up_to_the_usage_count():
+    t = Timed(0.0, chunks=[(1.0, 0), (2.0, 0), (3.0, 0)], tokens=10)
+    spread_tokens(t, [1, 1, 1])
+    assert sum(n for _, n in t.chunks) == 10
+
+
+def test_workloads():
+    grounded = messages("grounded", 5)
+    assert len(grounded) == 5 and all(m[0]["role"] == "user" for m in grounded)
+    assert "Repeat this text exactly" in grounded[0][0]["content"]
+    humaneval = messages("humaneval", 3)
+    assert len(humaneval) == 3 and "def " in humaneval[0][0]["content"]
+    with pytest.raises(ValueError):
+        messages("nope", 1)
+
+
+def test_rows_describe_their_configuration():
+    configs = serve_configs(BenchSettings())
+    assert configs["off"].describe() == "speculation off"
+    assert configs["ngram-chain"].branching == 1
+    tree, chain = configs["ngram-tree"], configs["ngram-chain"]
+    assert tree.budget == chain.budget  # the tree/chain comparison is at the same budget
+    assert "overlap" in configs["model-tree-overlap"].describe()
+    assert ServeConfig("x", "ngram", 4, 2, 8, adaptive=True).describe().endswith("adaptive")
+
+
+def fake_run() -> Run:
+    s = BenchSettings(streams="1,8", sweep_rows="off,ngram-tree-adaptive")
+    run = Run(s, "test machine", "a draft", (0.5, 0.5, 0.5))
+
+    def add(row, workload, streams, chunks, stats=None, gateway=0.8):
+        f = Figures.of([timed(0.0, chunks, stats)], chunks[-1][0])
+        run.results.append(Result(row, row, workload, streams, f, True, {"gateway": gateway}))
+
+    stats = {"verify_steps": 2, "emitted_tokens": 8, "draft_tokens": 8, "accepted_tokens": 6}
+    for workload in ("grounded", "humaneval"):
+        add("hf-prompt-lookup", workload, 1, [(1.0, 4), (2.0, 4)], gateway=None)
+        add("off", workload, 1, [(1.0, 4), (4.0, 4)])
+        add("ngram-chain", workload, 1, [(0.5, 8)], stats)
+        add("ngram-tree-adaptive", workload, 1, [(0.5, 8)], stats)
+    add("off", "grounded", 8, [(1.0, 30)])
+    add("ngram-tree-adaptive", "grounded", 8, [(1.0, 40)], stats)
+    return run
+
+
+def test_report_files(tmp_path):
+    paths = report.write(fake_run(), tmp_path)
+    assert [p.name for p in paths] == ["bench.csv", "bench.md", "bench.png"]
+    rows = list(csv.DictReader(paths[0].open()))
+    assert {r["row"] for r in rows} >= {"off", "ngram-tree-adaptive"}
+    text = paths[1].read_text()
+    assert "## One stream" in text and "## Concurrency sweep" in text and "## Targets" in text
+    assert "test machine" in text
+    assert paths[2].stat().st_size > 10_000  # a real PNG
+
+
+def test_targets_are_judged_from_the_figures():
+    targets = {t.what: t for t in report.targets(fake_run())}
+    vs_off = targets["grounded, n-gram tree, 1 stream vs speculation off ≥ 3×"]
+    assert vs_off.met and vs_off.reached == "8.00×"  # 16 tok/s against 2
+    assert targets["grounded, model draft, 1 stream vs transformers assisted ≥ 1.0×"].met is None
+    gateway = targets["gateway overhead per round, p50 ≤ 2 ms (worst 1-stream row)"]
+    assert gateway.met and gateway.reached == "0.80 ms"

@@ -1,0 +1,258 @@
+"""SpecSplit rows: a `specsplit serve` of its own per configuration, driven over HTTP.
+
+`Serve` starts `python -m workers.cli serve` (gateway in that process, the
+target and any draft as gRPC worker processes) with one configuration's
+tree flags and waits for its ready line. `stream_chat` sends one streaming
+chat completion with httpx and times its chunks; `run_streams` keeps N
+streams busy, each sending its requests one after the other. `phase_buckets`
+reads the gateway's per-phase round histogram from /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from workers.benchmarks.measure import Timed
+
+MODEL_NAME = "bench"  # the name the bench's serve answers to
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """One SpecSplit row: which draft, which tree, which loop."""
+
+    name: str  # the row's name (--rows)
+    draft: str  # "none", "ngram" or "model"
+    depth: int = 0  # most tree levels
+    branching: int = 1  # 1 = chain
+    budget: int = 0  # most tree nodes
+    adaptive: bool = False  # adaptive trees (gateway.adaptive)
+    overlap: bool = False  # the overlapped loop (gateway.overlap)
+
+    def describe(self) -> str:
+        if self.draft == "none":
+            return "speculation off"
+        shape = (
+            f"chain, depth {self.depth}"
+            if self.branching == 1
+            else f"tree, depth {self.depth}, {self.budget} nodes"
+        )
+        extras = [x for x, on in (("adaptive", self.adaptive), ("overlap", self.overlap)) if on]
+        return f"{self.draft} {shape}" + (f", {' + '.join(extras)}" if extras else "")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Serve:
+    """`specsplit serve` in a subprocess, for one configuration."""
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        target_model: str,
+        draft_model: str | None,
+        max_sessions: int,
+        knee_tokens: float,
+        timeout_s: float = 600.0,
+    ):
+        self.config = config
+        self.port = free_port()
+        draft = draft_model if config.draft == "model" else config.draft
+        command = [sys.executable, "-m", "workers.cli", "serve", "--port", str(self.port)]
+        command += ["--target-model", target_model, "--served-model-name", MODEL_NAME]
+        command += ["--draft-model", str(draft), "--log-level", "warning"]
+        command += ["--worker-max-sessions", str(max_sessions), "--max-sessions", "256"]
+        command += ["--tree-depth", str(config.depth), "--tree-branching", str(config.branching)]
+        command += ["--tree-budget", str(config.budget)]
+        command += ["--adaptive-tree" if config.adaptive else "--no-adaptive-tree"]
+        command += ["--overlap-draft" if config.overlap else "--no-overlap-draft"]
+        command += ["--adaptive-knee-tokens", str(knee_tokens)]
+        self.command = command
+        self.timeout_s = timeout_s
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Serve:
+        self.process = subprocess.Popen(
+            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        threading.Thread(target=self._drain, daemon=True).start()
+        if not self.ready.wait(self.timeout_s):
+            self.__exit__()
+            raise RuntimeError("serve did not get ready:\n" + "".join(self.lines[-30:]))
+        return self
+
+    def _drain(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append(line)
+            if line.startswith("SpecSplit ready: "):
+                self.ready.set()
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+async def stream_chat(
+    client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int, count_tokens
+) -> Timed:
+    """One streaming chat completion, greedy; `count_tokens(text)` sizes each chunk."""
+    body = {
+        "model": MODEL_NAME,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "speculation_stats": True,
+    }
+    timed = Timed(time.perf_counter())
+    texts: list[str] = []
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            now = time.perf_counter()
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            for choice in chunk.get("choices", []):
+                text = choice.get("delta", {}).get("content") or ""
+                if text:
+                    texts.append(text)
+                    timed.chunks.append((now, 0))
+            if chunk.get("usage"):
+                timed.tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("speculation_stats"):
+                timed.stats = chunk["speculation_stats"]
+    timed.end = time.perf_counter()
+    timed.text = "".join(texts)
+    spread_tokens(timed, [count_tokens(t) for t in texts])
+    return timed
+
+
+def spread_tokens(timed: Timed, counts: list[int]) -> None:
+    """Gives each chunk its share of the response's tokens, in proportion to `counts`
+    (its text re-tokenized), so that the shares add up to the usage count."""
+    total = sum(counts)
+    if not total:
+        return
+    given = 0
+    for i, ((at, _), n) in enumerate(zip(timed.chunks, counts, strict=True)):
+        share = round((given + n) * timed.tokens / total) - round(given * timed.tokens / total)
+        timed.chunks[i] = (at, share)
+        given += n
+
+
+async def run_streams(
+    url: str,
+    conversations: list[list[dict]],
+    streams: int,
+    requests_per_stream: int,
+    max_tokens: int,
+    count_tokens,
+) -> tuple[list[Timed], float]:
+    """`streams` clients, each sending `requests_per_stream` requests back to back.
+
+    Stream i sends conversations i, i + streams, ... (cycled). Returns every
+    request's timing, in (stream, request) order, and the wall time."""
+    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
+    timeout = httpx.Timeout(600.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+
+        async def stream(i: int) -> list[Timed]:
+            out = []
+            for r in range(requests_per_stream):
+                key = (i + r * streams) % len(conversations)
+                timed = await stream_chat(client, url, conversations[key], max_tokens, count_tokens)
+                timed.key = key
+                out.append(timed)
+            return out
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(stream(i) for i in range(streams)))
+        wall = time.perf_counter() - start
+    return [t for r in results for t in r], wall
+
+
+def phase_buckets(url: str) -> dict[str, list[tuple[float, float]]]:
+    """specsplit_round_phase_seconds buckets by phase: {phase: [(le, cumulative count)]}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out: dict[str, list[tuple[float, float]]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "specsplit_round_phase_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                le = float(sample.labels["le"])
+                out.setdefault(sample.labels["phase"], []).append((le, sample.value))
+    return out
+
+
+def bucket_delta(
+    after: dict[str, list[tuple[float, float]]], before: dict[str, list[tuple[float, float]]]
+) -> dict[str, list[tuple[float, float]]]:
+    """The histogram of what happened between two scrapes."""
+    out = {}
+    for phase, buckets in after.items():
+        earlier = dict(before.get(phase, []))
+        out[phase] = [(le, count - earlier.get(le, 0.0)) for le, count in buckets]
+    return out
+
+
+def first8_draft(target_dir: Path, cache: Path) -> Path:
+    """The target's first 8 layers under its own head, saved once as a model directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = cache / "bench" / "smollm2-135m-first8"
+    if (path / "config.json").exists():
+        return path
+    model = AutoModelForCausalLM.from_pretrained(target_dir, num_hidden_layers=8)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(target_dir).save_pretrained(tmp)
+    tmp.rename(path)
+    return path
+
+
+def draft_model_dir(spec: str, target_dir: Path) -> tuple[Path, str]:
+    """The model draft to bench, and how to describe it. `auto`: the distilled draft
+    `smollm2-135m-draft` when it is installed, else the target's first 8 layers."""
+    from workers.engine.loader import ModelNotFoundError, default_cache_dir, resolve_model
+
+    if spec != "auto":
+        return resolve_model(spec), spec
+    try:
+        return resolve_model("smollm2-135m-draft"), "smollm2-135m-draft (distilled)"
+    except ModelNotFoundError:
+        path = first8_draft(target_dir, default_cache_dir())
+        return path, "the target's first 8 layers (no distilled draft installed)"

@@ -1,0 +1,263 @@
+"""`specsplit bench`: SpecSplit against its peers, side by side, in one run.
+
+Rows (pick with --rows):
+  hf-generate           transformers `generate`, greedy, target only (in-process)
+  hf-assisted           transformers assisted generation, `assistant_model=` the model draft
+  hf-prompt-lookup      transformers prompt lookup, `prompt_lookup_num_tokens=10`
+  off                   SpecSplit over HTTP + gRPC, speculation off (draft none)
+  ngram-chain           n-gram draft, a chain (branching 1), fixed size
+  ngram-tree            n-gram draft, a tree with the chain's node budget, fixed size
+  ngram-tree-adaptive   the same tree, adaptive (the default configuration)
+  model-chain           model draft, a chain, fixed size
+  model-tree            model draft, a tree, fixed size
+  model-tree-adaptive   model draft, adaptive tree
+  model-tree-overlap    model draft, adaptive tree, overlapped loop
+
+Every SpecSplit row starts its own `specsplit serve` and sends it streaming
+chat completions with httpx. Workloads: `grounded` (rewrite/edit/summarise a
+text in the prompt) and `humaneval` (the first --humaneval problems). One
+stream runs each workload's prompts one after the other; the sweep runs the
+--sweep-rows at each of --streams concurrent streams on the grounded prompts.
+Greedy everywhere, and every row's text is checked against
+`hf-generate`'s (or, without it, the first row's).
+
+Writes bench/results/bench.csv, bench.md and bench.png.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings
+
+from workers.benchmarks import report
+from workers.benchmarks.machine import describe, load_average
+from workers.benchmarks.measure import Figures, Timed, histogram_quantile
+from workers.benchmarks.serving import (
+    Serve,
+    ServeConfig,
+    bucket_delta,
+    draft_model_dir,
+    phase_buckets,
+    run_streams,
+)
+from workers.benchmarks.workloads import messages
+from workers.settings import settings_config
+
+HF_ROWS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
+
+
+class BenchSettings(BaseSettings):
+    model_config = settings_config("bench")
+
+    target_model: str = Field("smollm2-135m-instruct", description="the target model")
+    draft_model: str = Field(
+        "auto",
+        description="the model draft; auto = smollm2-135m-draft when installed, "
+        "else the target's first 8 layers",
+    )
+    rows: str = Field("all", description="comma list of rows (see the module doc), or all")
+    workloads: str = Field("grounded,humaneval", description="comma list: grounded, humaneval")
+    prompts: int = Field(8, ge=1, description="input-grounded prompts")
+    humaneval: int = Field(4, ge=1, le=164, description="HumanEval problems (the first N)")
+    max_tokens: int = Field(96, ge=1, description="most new tokens per request")
+    streams: str = Field("1,4,8,16", description="concurrency sweep: streams per point")
+    sweep_rows: str = Field(
+        "off,ngram-tree,ngram-tree-adaptive", description="rows swept over --streams"
+    )
+    ngram_depth: int = Field(16, ge=1, description="n-gram tree/chain depth")
+    ngram_budget: int = Field(16, ge=1, description="n-gram tree nodes (the chain's depth too)")
+    model_depth: int = Field(6, ge=1, description="model-draft tree/chain depth")
+    model_budget: int = Field(12, ge=1, description="model-draft tree nodes")
+    knee_tokens: float = Field(20.0, ge=0, description="--adaptive-knee-tokens of the serves")
+    out: Path = Field(Path("bench/results"), description="where CSV, Markdown and PNG go")
+
+    def names(self, value: str) -> list[str]:
+        return [x.strip() for x in value.split(",") if x.strip()]
+
+
+def serve_configs(s: BenchSettings) -> dict[str, ServeConfig]:
+    nd, nb, md, mb = s.ngram_depth, s.ngram_budget, s.model_depth, s.model_budget
+    configs = [
+        ServeConfig("off", "none"),
+        ServeConfig("ngram-chain", "ngram", nb, 1, nb),
+        ServeConfig("ngram-tree", "ngram", nd, 2, nb),
+        ServeConfig("ngram-tree-adaptive", "ngram", nd, 2, nb, adaptive=True),
+        ServeConfig("model-chain", "model", md, 1, md),
+        ServeConfig("model-tree", "model", md, 2, mb),
+        ServeConfig("model-tree-adaptive", "model", md, 2, mb, adaptive=True),
+        ServeConfig("model-tree-overlap", "model", md, 2, mb, adaptive=True, overlap=True),
+    ]
+    return {c.name: c for c in configs}
+
+
+@dataclass
+class Result:
+    """One row on one workload at one concurrency."""
+
+    row: str
+    setup: str  # what the row is, in words
+    workload: str
+    streams: int
+    figures: Figures
+    same: bool | None  # every text equal to the reference's
+    phases_ms: dict[str, float | None] = field(default_factory=dict)  # p50 per round phase
+    load: float = 0.0  # 1-minute load average when the row finished
+
+
+@dataclass
+class Run:
+    settings: BenchSettings
+    machine: str
+    draft: str  # the model draft, in words
+    started_load: tuple[float, float, float]
+    results: list[Result] = field(default_factory=list)
+    references: dict[str, dict[int, str]] = field(default_factory=dict)  # workload -> key -> text
+    seconds: float = 0.0
+
+    def check(self, workload: str, timed: list[Timed]) -> bool:
+        """Texts equal to the reference; the first row to run a conversation sets it."""
+        reference = self.references.setdefault(workload, {})
+        same = True
+        for t in timed:
+            expected = reference.setdefault(t.key, t.text)
+            same &= t.text == expected
+        return same
+
+
+def run_suite(s: BenchSettings) -> Run:
+    from workers.engine.loader import load_tokenizer, resolve_model
+
+    started = time.perf_counter()
+    rows = list(HF_ROWS) + list(serve_configs(s)) if s.rows == "all" else s.names(s.rows)
+    unknown = [r for r in rows if r not in HF_ROWS and r not in serve_configs(s)]
+    if unknown:
+        raise SystemExit(f"unknown rows: {', '.join(unknown)}")
+    target_dir = resolve_model(s.target_model)
+    tokenizer = load_tokenizer(target_dir)
+    needs_draft = any(r == "hf-assisted" or r.startswith("model-") for r in rows)
+    draft_dir, draft_words = (
+        draft_model_dir(s.draft_model, target_dir) if needs_draft else (None, "")
+    )
+    run = Run(s, describe(), draft_words, load_average())
+    workloads = {
+        w: messages(w, s.prompts if w == "grounded" else s.humaneval) for w in s.names(s.workloads)
+    }
+    hf_rows = [r for r in rows if r in HF_ROWS]
+    if hf_rows:  # the reference first: hf-generate is the text every row must match
+        run_hf(run, hf_rows, workloads, target_dir, draft_dir, tokenizer)
+        gc.collect()
+    for name in [r for r in rows if r not in HF_ROWS]:
+        run_serve(run, serve_configs(s)[name], workloads, draft_dir, tokenizer)
+    run.seconds = time.perf_counter() - started
+    return run
+
+
+def run_hf(run: Run, rows: list[str], workloads, target_dir, draft_dir, tokenizer) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from workers.benchmarks.hf_rows import hf_request
+    from workers.engine.text import encode_chat
+
+    s = run.settings
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft = None
+    if "hf-assisted" in rows:
+        draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    kwargs = {
+        "hf-generate": {},
+        "hf-assisted": {"assistant_model": draft},
+        "hf-prompt-lookup": {"prompt_lookup_num_tokens": 10},
+    }
+    setups = {
+        "hf-generate": "transformers generate, greedy, target only",
+        "hf-assisted": "transformers assisted generation (assistant_model = the model draft)",
+        "hf-prompt-lookup": "transformers prompt lookup (prompt_lookup_num_tokens=10)",
+    }
+    order = sorted(rows, key=lambda r: r != "hf-generate")  # the reference text first
+    for row in order:
+        hf_request(target, tokenizer, [1, 2, 3, 4], 4, **kwargs[row])  # warm-up
+        for workload, conversations in workloads.items():
+            timed = []
+            start = time.perf_counter()
+            for key, conversation in enumerate(conversations):
+                prompt = encode_chat(tokenizer, conversation)
+                t = hf_request(target, tokenizer, prompt, s.max_tokens, **kwargs[row])
+                t.key = key
+                timed.append(t)
+            wall = time.perf_counter() - start
+            result = Result(
+                row, setups[row], workload, 1, Figures.of(timed, wall), run.check(workload, timed)
+            )
+            result.load = load_average()[0]
+            run.results.append(result)
+            print(report.progress(result), flush=True)
+
+
+def run_serve(run: Run, config: ServeConfig, workloads, draft_dir, tokenizer) -> None:
+    s = run.settings
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    sweep = config.name in s.names(s.sweep_rows)
+    streams = [int(n) for n in s.names(s.streams)]
+    most = max(streams) if sweep else 1
+    with Serve(config, s.target_model, draft_dir, max(8, most), s.knee_tokens) as serve:
+
+        def measure(workload: str, n: int) -> Result:
+            conversations = workloads[workload]
+            per_stream = max(1, math.ceil(len(conversations) / n))
+            before = phase_buckets(serve.url)
+            timed, wall = asyncio.run(
+                run_streams(serve.url, conversations, n, per_stream, s.max_tokens, count_tokens)
+            )
+            phases = bucket_delta(phase_buckets(serve.url), before)
+            p50 = {
+                phase: _ms(histogram_quantile(buckets, 0.5)) for phase, buckets in phases.items()
+            }
+            result = Result(
+                config.name,
+                config.describe(),
+                workload,
+                n,
+                Figures.of(timed, wall),
+                run.check(workload, timed),
+                p50,
+                load_average()[0],
+            )
+            run.results.append(result)
+            print(report.progress(result), flush=True)
+            return result
+
+        asyncio.run(  # warm-up: first forwards, connections
+            run_streams(serve.url, [workloads[next(iter(workloads))][0]], 1, 1, 8, count_tokens)
+        )
+        for workload in workloads:
+            measure(workload, 1)
+        if sweep and "grounded" in workloads:
+            for n in streams:
+                if n != 1:  # one stream is the row measured above
+                    measure("grounded", n)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def main(argv: list[str]) -> None:
+    from workers.settings import parse
+
+    s = parse(BenchSettings, argv)
+    run = run_suite(s)
+    s.out.mkdir(parents=True, exist_ok=True)
+    paths = report.write(run, s.out)
+    print(report.markdown(run))
+    print("wrote " + ", ".join(str(p) for p in paths))
