@@ -159,16 +159,15 @@ def scraped(live_serve, prometheus_binary, tmp_path_factory):
             "readiness",
         )
         targets = 1 + len(workers)
-        prometheus.wait(
-            lambda: len([r for r in prometheus.query("up == 1")]) == targets, 60, "targets up"
-        )
+        prometheus.wait(lambda: len(prometheus.query("up == 1")) == targets, 60, "every target up")
         time.sleep(2 * SCRAPE_S)  # samples from before the traffic, so rates have a start
         send_traffic(base_url)
-        for url, name in (
-            (f"http://{gateway}/metrics", "specsplit_generation_tokens_total"),
-            (f"http://{workers[0]}/metrics", "specsplit_worker_batch_size_count"),
-        ):
-            value = counter(url, name)
+        target = f"127.0.0.1:{worker_ports['target']}"
+        for address, name in (
+            (gateway, "specsplit_generation_tokens_total"),
+            (target, "specsplit_worker_batch_size_count"),
+        ):  # wait until Prometheus has scraped what the traffic left behind
+            value = counter(f"http://{address}/metrics", name)
             prometheus.wait(
                 lambda n=name, v=value: any(
                     float(r["value"][1]) >= v for r in prometheus.query(f"sum({n})")
