@@ -29,7 +29,9 @@ Acceptance estimate: a round that accepted `a` tokens of a path `d` deep
 either stopped on a rejection (a < d) or used up the path (a == d, censored).
 For a geometric run length the maximum-likelihood alpha is sum(a) /
 (sum(a) + rejections); both sums are exponentially weighted (weight `ewma`
-for the newest round), starting from a prior worth one round.
+for the newest round). A new session starts from the same estimate kept
+over every session's rounds (the gateway's recent acceptance with this
+draft), or from `prior_rate` before the first round.
 """
 
 from __future__ import annotations

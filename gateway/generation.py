@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from gateway.adaptive import Acceptance, AdaptiveConfig
 from gateway.metrics import Metrics
 from gateway.pool import Admission, Router
 from gateway.speculation import ChoicePlan, LoopOptions, SpecCounters, Speculation
@@ -100,6 +101,10 @@ class Generator:
     tokenizer: object
     metrics: Metrics
     options: LoopOptions = LoopOptions()  # how trees are made (adaptive, overlapped)
+    recent: Acceptance = field(init=False)  # acceptance over every session's recent rounds
+
+    def __post_init__(self):
+        self.recent = Acceptance.prior(self.options.adaptive or AdaptiveConfig())
 
     async def generate(
         self, request: GenerationRequest, record: Record, admission: Admission
@@ -119,7 +124,7 @@ class Generator:
         self, index: int, request: GenerationRequest, record: Record
     ) -> AsyncIterator[Delta]:
         speculation = Speculation(
-            self.router, request.plan(index), self.metrics, index, self.options
+            self.router, request.plan(index), self.metrics, index, self.options, self.recent
         )
         text = TextStream(self.tokenizer, request.stop)
         last_round: float | None = None

@@ -120,6 +120,7 @@ class Speculation:
     metrics: Metrics
     index: int = 0  # the choice's index in its request
     options: LoopOptions = LoopOptions()
+    recent: Acceptance | None = None  # every session's rounds; a new session starts from it
     history: list[int] = field(init=False)
     draft: Binding = field(default_factory=Binding)
     target: Binding = field(default_factory=Binding)
@@ -129,7 +130,9 @@ class Speculation:
     def __post_init__(self):
         self.history = list(self.plan.prompt)
         self.session_id = self.router.session_id(self.plan.affinity, self.index)
-        self.acceptance = Acceptance.prior(self.options.adaptive or AdaptiveConfig())
+        config = self.options.adaptive or AdaptiveConfig()
+        start = self.recent if self.recent is not None else Acceptance.prior(config)
+        self.acceptance = replace(start, rounds_off=0)
         self.lookahead: Lookahead | None = None
 
     @property
@@ -293,6 +296,8 @@ class Speculation:
             path_depth = int(depths(tree.parents).max())
             config = self.options.adaptive or AdaptiveConfig()
             self.acceptance.observe(len(outcome.accepted), path_depth, config)
+            if self.recent is not None:
+                self.recent.observe(len(outcome.accepted), path_depth, config)
         self.metrics.observe_round(len(tree), len(outcome.accepted), degraded, outcome.prefix_hit)
         logprobs = outcome.logprobs[: len(tokens)] if outcome.logprobs is not None else None
         return Round(tokens, logprobs, self.finish_reason)

@@ -99,3 +99,19 @@ def test_adaptive_trees_do_not_change_the_output(greedy_texts):
     adaptive, stats = greedy_texts[True]
     assert adaptive == fixed
     assert sum(s["accepted_tokens"] for s in stats) > 0
+
+
+def test_a_new_session_starts_from_the_recent_acceptance():
+    from gateway.metrics import Metrics
+    from gateway.speculation import ChoicePlan, LoopOptions, Speculation
+    from workers.spec.sampling import SamplingParams
+
+    class Router:
+        def session_id(self, key, index):
+            return f"s{index}"
+
+    recent = Acceptance(accepted=0.1, rejected=0.9, rounds_off=3)
+    plan = ChoicePlan([1, 2, 3], 8, SamplingParams(), SPEC, frozenset())
+    speculation = Speculation(Router(), plan, Metrics(), 0, LoopOptions(CONFIG), recent)
+    assert speculation.acceptance.rate == pytest.approx(0.1)
+    assert speculation.acceptance is not recent and speculation.acceptance.rounds_off == 0

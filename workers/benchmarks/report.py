@@ -242,15 +242,18 @@ def plot(run: Run, path: Path) -> None:
     left.set_title("One stream: transformers vs SpecSplit (HTTP + gRPC)")
     left.legend()
     points = sweep_streams(run)
+    swept = False
     for row in run.settings.names(run.settings.sweep_rows):
         values = [sweep_point(run, row, n) for n in points]
         if any(v is not None for v in values):
             right.plot(points, [v or 0.0 for v in values], marker="o", label=row)
+            swept = True
     right.set_xlabel("concurrent streams")
     right.set_ylabel("aggregate tokens/s")
     right.set_xticks(points)
     right.set_title("Concurrency sweep, grounded workload")
-    right.legend()
+    if swept:
+        right.legend()
     fig.suptitle(f"specsplit bench: {run.machine}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
