@@ -65,7 +65,9 @@ class WorkerSettings(BaseSettings):
         description="on SIGTERM, seconds health says NOT_SERVING before calls are refused",
     )
     grace_s: float = Field(10.0, ge=0, description="then, seconds in-flight calls get to finish")
-    cache_dir: Path | None = Field(None, description="model cache; default ~/.cache/specsplit")
+    model_cache: Path | None = Field(
+        None, description="model cache; default $SPECSPLIT_MODEL_CACHE or ~/.cache/specsplit"
+    )
 
     @property
     def grpc_port(self) -> int:
@@ -92,7 +94,7 @@ class WorkerSettings(BaseSettings):
             max_sessions=self.max_sessions,
             max_seq_len=self.max_seq_len,
             max_tree_nodes=self.max_tree_nodes,
-            cache_dir=self.cache_dir,
+            cache_dir=self.model_cache,
         )
 
 
