@@ -16,6 +16,7 @@ import torch
 
 from workers.engine.kv_cache import SlotKVCache
 from workers.engine.llama import ForwardBatch, NativeLlama
+from workers.engine.packed import pack_linears
 from workers.spec.tree import depths, tree_mask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,6 +32,7 @@ class EngineConfig:
     max_sessions: int = 8  # KV slots, i.e. sessions held at once
     max_seq_len: int = 2048  # context per session (capped at the model's context)
     max_tree_nodes: int = 64  # most speculative tokens past the context, cached while verified
+    pack_weights: bool = True  # float32 on CPU: oneDNN-packed linear layers (engine/packed.py)
     cache_dir: Path | None = None  # model cache; None = $SPECSPLIT_MODEL_CACHE or ~/.cache
 
 
@@ -68,6 +70,8 @@ class Engine:
     @classmethod
     def from_hf(cls, hf_model, tokenizer, config: EngineConfig, model_id: str) -> Engine:
         model = NativeLlama(hf_model).eval()
+        if config.pack_weights:
+            pack_linears(model)
         shape = model.shape
         cache = SlotKVCache(
             num_layers=shape.num_layers,

@@ -1,0 +1,53 @@
+"""oneDNN-packed linear layers give the plain layers' results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.engine.tiny import tiny_hf_model
+from workers.engine.engine import Engine, EngineConfig, SlotInput
+from workers.engine.packed import PackedLinear, can_pack, pack_linears
+
+needs_packing = pytest.mark.skipif(
+    not can_pack(torch.float32, torch.device("cpu")), reason="no oneDNN linear ops"
+)
+
+
+@needs_packing
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 32), (5, 32), (2, 7, 32), (3, 1, 32)])
+def test_packed_linear_equals_linear(bias, shape):
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 48, bias=bias)
+    x = torch.randn(shape)
+    with torch.inference_mode():
+        assert torch.allclose(PackedLinear(linear)(x), linear(x), atol=1e-5)
+
+
+def test_only_float32_on_cpu_is_packed():
+    assert not can_pack(torch.bfloat16, torch.device("cpu"))
+    model = nn.Module()
+    model.lm_head = nn.Linear(4, 4).to(torch.bfloat16)
+    model.blocks = []
+    assert not pack_linears(model)
+
+
+@needs_packing
+def test_packed_engine_matches_the_plain_one():
+    hf = tiny_hf_model(seed=5)
+    config = EngineConfig(model="tiny", max_sessions=1, max_seq_len=64)
+    engines = [
+        Engine.from_hf(hf, None, EngineConfig(**{**vars(config), "pack_weights": p}), "tiny")
+        for p in (False, True)
+    ]
+    assert isinstance(engines[1].model.lm_head, PackedLinear)
+    prompt = list(range(3, 20))
+    tree = SlotInput(0, len(prompt), [-1, 0, 0, 1], [7, 8, 9, 10], logits_for=4)
+    outs = []
+    for engine in engines:
+        engine.forward([SlotInput(0, 0, list(range(-1, len(prompt) - 1)), prompt)])
+        outs.append(engine.forward([tree])[0])
+    assert torch.allclose(outs[0], outs[1], atol=1e-4)
+    assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
