@@ -309,7 +309,11 @@ class Speculation:
         if self.router.drafts is None:
             return None
         spec = self.plan.spec
-        if self.options.adaptive is not None:
+        # A seeded sampling request keeps the configured tree: sampled output depends on
+        # the tree, and adapting it to other sessions' acceptance or the target's load
+        # would make the same seed give different text (greedy output never changes).
+        reproducible = self.plan.params.seed is not None and not self.plan.params.greedy
+        if self.options.adaptive is not None and not reproducible:
             load = self.target.worker.load if self.target.worker else 1
             spec = adapt(spec, self.acceptance, load, self.options.adaptive)
             if spec is None:
