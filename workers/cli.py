@@ -14,6 +14,7 @@ COMMANDS = {
     "gateway": ("gateway.main", "run the OpenAI-compatible gateway over worker pools"),
     "serve": ("gateway.serve", "run gateway + workers together on this machine"),
     "bench": ("workers.bench", "benchmark SpecSplit against plain and assisted decoding"),
+    "distill": ("workers.distill", "train a small draft model on a target's own answers"),
 }
 
 

@@ -1,0 +1,123 @@
+"""`specsplit distill` on a tiny random target: the draft it saves is a plain model that
+speculates losslessly, computes over all target ids what it was trained to, and a stopped
+run resumes to the very weights of a run that never stopped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from workers import cli
+from workers.decoder import build_decoder
+from workers.distill import prompts
+from workers.distill.data import load_batches
+from workers.distill.model import DraftTrainer
+from workers.distill.run import DistillSettings, distill
+from workers.draft.runner import TreeSpec
+from workers.engine.engine import EngineConfig
+from workers.engine.text import encode_chat
+from workers.spec.sampling import SamplingParams
+
+TINY = {  # a run of seconds: 1-layer draft, ~150 answer tokens, 4 steps
+    "layers": "1",
+    "hidden": "32",
+    "intermediate": "64",
+    "vocab-top": "64",
+    "tokens": "150",
+    "eval-prompts": "4",
+    "max-new-tokens": "12",
+    "gen-batch": "8",
+    "steps": "4",
+    "batch-size": "4",
+    "checkpoint-every": "2",
+    "seed": "3",
+}
+
+
+def settings(target: Path, out: Path, **extra) -> DistillSettings:
+    values = {k.replace("-", "_"): v for k, v in TINY.items()}
+    return DistillSettings(target=str(target), out=out, **{**values, **extra})
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_target, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("draft")
+    assert distill(settings(tiny_target, out), log=lambda _: None) is not None
+    return out
+
+
+def test_saved_draft_speculates_losslessly(tiny_target, draft):
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+        p.name for p in draft.iterdir()
+    }
+    target = EngineConfig(model=str(tiny_target), max_sessions=2, max_seq_len=256)
+    plain, engine = build_decoder(target, "none")
+    texts = prompts.take("heldout", 0, 3)
+    chats = [encode_chat(engine.tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    expected = [plain.generate(ids, 20, SamplingParams()).token_ids for ids in chats]
+    for tree in (TreeSpec(), TreeSpec(depth=4, branching=1, budget=4)):
+        # build_decoder loads the draft like any model and refuses a different tokenizer
+        speculative, _ = build_decoder(target, str(draft), tree)
+        outputs = [speculative.generate(ids, 20, SamplingParams()).token_ids for ids in chats]
+        assert outputs == expected
+
+
+def test_saved_draft_computes_what_was_trained(tiny_target, draft):
+    """The saved full-vocabulary model and the kept-vocabulary trainer give the same q."""
+    state = torch.load(draft / "checkpoint" / "state.pt", weights_only=False)
+    config = AutoModelForCausalLM.from_pretrained(draft).config
+    trainer = DraftTrainer(config, state["trainer"]["kept"])
+    trainer.load_state_dict(state["trainer"])
+    with torch.no_grad():  # the directory holds float16 weights
+        for p in trainer.parameters():
+            p.copy_(p.half().float())
+    saved = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    weight = saved.get_output_embeddings().weight  # (V, H), tied to the input embedding
+    unkept = trainer.slot_of == len(trainer.kept)
+    assert unkept.any() and (weight[unkept] == 0).all()
+    assert weight.data_ptr() == saved.get_input_embeddings().weight.data_ptr()
+
+    ids = torch.tensor([[1, 5, 17, 3, 40, 90, 2, 1, 7]])  # includes unkept ids
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        logq = trainer(trainer.slot_of[ids], mask)  # (1, T, K+1)
+        full = saved(input_ids=ids).logits.log_softmax(-1)  # (1, T, V)
+    assert torch.allclose(full.exp().sum(-1), torch.ones(1, ids.shape[1]), atol=1e-5)
+    assert torch.allclose(full[..., trainer.kept], logq[..., :-1], atol=1e-4)
+    unkept_logq = logq[..., -1:].expand(-1, -1, int(unkept.sum()))
+    assert torch.allclose(full[..., unkept], unkept_logq, atol=1e-4)
+
+
+def test_interrupted_run_resumes_to_the_same_weights(tiny_target, tmp_path, draft):
+    whole = tmp_path / "whole"
+    args = [arg for k, v in TINY.items() for arg in (f"--{k}", v)]
+    cli.main(["distill", "--target", str(tiny_target), "--out", str(whole), *args])
+
+    stopped = tmp_path / "stopped"
+    logs: list[str] = []
+    assert distill(settings(tiny_target, stopped, stop_after=2), log=logs.append) is None
+    assert not (stopped / "model.safetensors").exists()
+    assert torch.load(stopped / "checkpoint" / "state.pt", weights_only=False)["step"] == 2
+
+    logs.clear()
+    report = distill(settings(tiny_target, stopped), log=logs.append)
+    assert "train: resuming from step 2 of 4" in logs
+    assert not any(line.startswith(("loading the target", "data ")) for line in logs)  # cached
+
+    a, b = load_file(whole / "model.safetensors"), load_file(stopped / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert report["heldout"] == json.loads((whole / "distill.json").read_text())["heldout"]
+
+
+def test_data_cache_serves_a_smaller_run_and_options_must_match(tiny_target, draft, tmp_path):
+    cached = load_batches(draft / "checkpoint" / "data", "train")
+    assert sum(e.answer_len for b in cached for e in b) >= 150
+    with pytest.raises(ValueError, match="--hidden was 32, now 48"):
+        distill(settings(tiny_target, draft, hidden=48), log=lambda _: None)
+    with pytest.raises(ValueError, match="--seed was 3, now 4"):
+        distill(settings(tiny_target, draft, seed=4), log=lambda _: None)

@@ -1,0 +1,13 @@
+"""`specsplit distill`: a small draft model trained on a target's own greedy answers.
+
+prompts.py  the templated chat prompt set (train and held-out pools)
+data.py     the target's answers and next-token distributions, cached batch by batch
+model.py    the draft's shape, its kept vocabulary and how it is saved as a plain model
+train.py    the KL training loop, checkpoints and agreement
+run.py      the command: settings, the steps in order, the report
+bench.py    the figures of bench/DRAFT.md: agreement, accepted length, cost, tokens/s
+"""
+
+from workers.distill.run import main
+
+__all__ = ["main"]

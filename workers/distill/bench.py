@@ -1,0 +1,185 @@
+"""The figures of a distilled draft on a chat workload, as bench/DRAFT.md reports them.
+
+`python -m workers.distill.bench [--draft-model smollm2-135m-draft] [--prompts 8]` measures,
+on held-out chat prompts (topics and passages the draft never trained on), greedy:
+  (a) top-1 / top-3 agreement of the draft with the target's greedy token, teacher-forced
+      on the target's own answers;
+  (b) tokens per target forward (accepted draft tokens + the bonus token) with a tree;
+  (c) the cost of one forward of 1 token behind a KV cache, draft over target, both on
+      SpecSplit's native engine (medians, interleaved so load changes hit both alike);
+  (d) tokens/s of SpecDecoder with speculation off, the n-gram draft and the model draft,
+      prompt by prompt in turn, checking that all three give the same tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings
+
+from workers.decoder import SpecDecoder, stop_token_ids
+from workers.distill import prompts
+from workers.draft.runner import ModelDrafter, NgramDrafter, TreeSpec
+from workers.engine.engine import Engine, EngineConfig, SlotInput
+from workers.engine.sessions import SessionTable
+from workers.engine.text import encode_chat
+from workers.settings import parse, settings_config
+from workers.spec.sampling import SamplingParams
+from workers.target.runner import TargetRunner
+
+
+class DraftBenchSettings(BaseSettings):
+    model_config = settings_config("distill bench")
+
+    target_model: str = Field("smollm2-135m-instruct", description="the target")
+    draft_model: str = Field("smollm2-135m-draft", description="the distilled draft")
+    prompts: int = Field(8, ge=1, description="held-out chat prompts")
+    prompt_seed: int = Field(1, description="which held-out prompts")
+    max_tokens: int = Field(64, ge=1, description="new tokens per prompt")
+    tree_depth: int = Field(6, ge=1, description="tree of both drafts (TreeSpec() defaults)")
+    tree_branching: int = Field(2, ge=1, description="children per expanded node")
+    tree_budget: int = Field(16, ge=1, description="most tree nodes per round")
+    cost_repeats: int = Field(40, ge=1, description="timed 1-token forwards per model")
+    threads: int = Field(0, ge=0, description="torch CPU threads; 0 = torch's default")
+    out: Path | None = Field(None, description="Markdown file to write (default: print only)")
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), float32, Python {platform.python_version()}"
+    )
+
+
+def load_average() -> str:
+    try:
+        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+@torch.inference_mode()
+def agreement(draft: Engine, prompt: list[int], answer: list[int]) -> tuple[int, int, int]:
+    """(top-1 hits, top-3 hits, positions): draft teacher-forced on prompt + answer."""
+    seq = prompt + answer
+    n = len(seq)
+    row = SlotInput(0, 0, list(range(-1, n - 1)), seq[:-1], logits_for=n - 1)
+    guesses = draft.forward([row])[0].topk(3, dim=-1).indices  # (n-1, 3)
+    picked = guesses[len(prompt) - 1 :]  # rows predicting answer tokens
+    truth = torch.tensor(answer)[:, None]
+    return int((picked[:, :1] == truth).sum()), int((picked == truth).any(-1).sum()), len(answer)
+
+
+@torch.inference_mode()
+def one_token_costs(engines: dict[str, Engine], repeats: int) -> dict[str, float]:
+    """Median seconds of a 1-token forward after a 64-token prefix, per engine (interleaved)."""
+    prefix = list(range(1000, 1064))
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for engine in engines.values():
+        engine.forward([SlotInput(0, 0, list(range(-1, 63)), prefix)])
+    for i in range(repeats):
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            engine.forward([SlotInput(0, 64 + i, [-1], [1000 + i])])
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def run(s: DraftBenchSettings) -> str:
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    load_before = load_average()
+    config = EngineConfig(model=s.target_model, max_sessions=2, max_seq_len=1024)
+    target = Engine.load(config)
+    draft = Engine.load(EngineConfig(model=s.draft_model, max_sessions=2, max_seq_len=1024))
+    stops = stop_token_ids(target.tokenizer)
+    tree = TreeSpec(depth=s.tree_depth, branching=s.tree_branching, budget=s.tree_budget)
+    texts = prompts.take("heldout", s.prompt_seed, s.prompts)
+    chats = [encode_chat(target.tokenizer, [{"role": "user", "content": t}]) for t in texts]
+
+    decoders = {
+        "speculation off": SpecDecoder(TargetRunner(target, SessionTable(2)), None, tree, stops),
+        "n-gram draft": SpecDecoder(
+            TargetRunner(target, SessionTable(2)), NgramDrafter(SessionTable(4)), tree, stops
+        ),
+        f"model draft ({s.draft_model})": SpecDecoder(
+            TargetRunner(target, SessionTable(2)),
+            ModelDrafter(draft, SessionTable(2)),
+            tree,
+            stops,
+        ),
+    }
+    for decoder in decoders.values():  # warm-up
+        decoder.generate(chats[0][:24], 4, SamplingParams())
+    totals = {name: {"s": 0.0, "tokens": 0, "steps": 0, "emitted": 0} for name in decoders}
+    outputs: dict[str, list[list[int]]] = {name: [] for name in decoders}
+    for ids in chats:  # prompt by prompt, every decoder in turn
+        for name, decoder in decoders.items():
+            start = time.perf_counter()
+            gen = decoder.generate(ids, s.max_tokens, SamplingParams())
+            t = totals[name]
+            t["s"] += time.perf_counter() - start
+            t["tokens"] += len(gen.token_ids)
+            t["steps"] += gen.stats.verify_steps
+            t["emitted"] += gen.stats.emitted_tokens
+            outputs[name].append(gen.token_ids)
+    reference = outputs["speculation off"]
+    hits1 = hits3 = positions = 0
+    for ids, answer in zip(chats, reference, strict=True):
+        h1, h3, n = agreement(draft, ids, answer)
+        hits1, hits3, positions = hits1 + h1, hits3 + h3, positions + n
+    costs = one_token_costs({"target": target, "draft": draft}, s.cost_repeats)
+    load_after = load_average()
+
+    base = totals["speculation off"]["tokens"] / totals["speculation off"]["s"]
+    lines = [
+        f"Draft benchmark: target `{s.target_model}`, draft `{s.draft_model}`, "
+        f"{s.prompts} held-out chat prompts (`prompts.take('heldout', {s.prompt_seed}, "
+        f"{s.prompts})`), {s.max_tokens} new tokens each, greedy, tree depth {tree.depth} / "
+        f"branching {tree.branching} / budget {tree.budget}.",
+        f"Machine: {machine()}; load average before {load_before}, after {load_after}.",
+        "",
+        f"- (a) agreement with the target's greedy token (teacher-forced, {positions} answer "
+        f"positions): top-1 **{hits1 / positions:.3f}**, top-3 **{hits3 / positions:.3f}**",
+        f"- (c) one forward of 1 token with a KV cache (native engine, median of "
+        f"{s.cost_repeats}): target {costs['target'] * 1e3:.1f} ms, draft "
+        f"{costs['draft'] * 1e3:.1f} ms: draft/target **{costs['draft'] / costs['target']:.3f}**",
+        "",
+        "| decoder | tokens/s | × speculation off | (b) tokens per target forward | same tokens |",
+        "|---|---:|---:|---:|:---:|",
+    ]
+    for name, t in totals.items():
+        tps = t["tokens"] / t["s"]
+        tau = t["emitted"] / t["steps"] if t["steps"] else 0.0
+        same = "yes" if outputs[name] == reference else "NO"
+        lines.append(f"| {name} | {tps:.2f} | {tps / base:.2f} | {tau:.2f} | {same} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    s = parse(DraftBenchSettings, sys.argv[1:] if argv is None else argv)
+    table = run(s)
+    print(table)
+    if s.out is not None:
+        s.out.parent.mkdir(parents=True, exist_ok=True)
+        s.out.write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""`specsplit distill`: make a small draft for a target from the target's own behaviour.
+
+Steps, each resumable:
+  1. data: the target answers templated chat prompts greedily (batched on the native
+     engine, one KV slot per prompt); its top-k
+     next-token distributions over prompt and answer are cached in OUT/checkpoint/data/;
+  2. vocabulary: the K target ids the training data uses most get draft rows;
+  3. train: KL against the target, checkpointed to OUT/checkpoint/state.pt (weights,
+     optimizer, step, RNG states) every --checkpoint-every steps;
+  4. export: OUT becomes a plain model directory (config.json, model.safetensors, the
+     target's tokenizer files) that `--draft-model OUT` loads like any other;
+  5. report: top-1 / top-3 agreement of the saved draft with the target's greedy token on
+     held-out prompts, printed and written to OUT/distill.json.
+Run the same command again after an interruption and it goes on where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings
+
+from workers.distill.data import DataSpec, Example, Teacher, collect, duration
+from workers.distill.model import (
+    DraftTrainer,
+    choose_vocab,
+    draft_config,
+    export,
+    init_from_target,
+    residual_axes,
+)
+from workers.distill.train import TOP, Checkpoint, TrainSpec, agreement, train
+from workers.engine.engine import Engine, EngineConfig
+from workers.settings import parse, settings_config
+
+INIT_SEQUENCES = 48  # training sequences whose target activations choose the draft's axes
+SAVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# options that must not change while OUT/checkpoint holds their work
+DATA_RECIPE = ("target", "max_new_tokens", "gen_batch", "top_k", "seed")
+TRAIN_RECIPE = (
+    *("layers", "hidden", "intermediate", "vocab_top", "tokens", "eval_prompts", "steps"),
+    *("batch_size", "lr", "prompt_weight"),
+)
+
+
+class DistillSettings(BaseSettings):
+    model_config = settings_config("distill")
+
+    target: str = Field("smollm2-135m-instruct", description="alias, directory, .gguf or HF id")
+    out: Path = Field(description="draft directory to write; checkpoints go to OUT/checkpoint")
+    layers: int = Field(2, ge=1, description="decoder layers (the target's first ones)")
+    hidden: int = Field(144, ge=1, description="draft width, a multiple of the target's heads")
+    intermediate: int = Field(0, ge=0, description="MLP width; 0 = the target's")
+    vocab_top: int = Field(16384, ge=0, description="target ids given draft rows; 0 = all")
+    tokens: int = Field(40000, ge=1, description="target answer tokens to train on")
+    eval_prompts: int = Field(32, ge=1, description="held-out prompts for the agreement report")
+    max_new_tokens: int = Field(128, ge=1, description="longest target answer per prompt")
+    gen_batch: int = Field(32, ge=1, description="prompts the target answers at once (KV slots)")
+    top_k: int = Field(32, ge=1, description="target candidates kept per position for the KL")
+    steps: int = Field(600, ge=1, description="optimizer steps")
+    batch_size: int = Field(16, ge=1, description="sequences per optimizer step")
+    lr: float = Field(1e-3, gt=0, description="peak learning rate")
+    prompt_weight: float = Field(0.2, ge=0, description="loss weight of prompt positions")
+    seed: int = Field(0, description="picks the prompts, initialises and orders the training")
+    checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints")
+    stop_after: int | None = Field(None, ge=0, description="stop this run at that step")
+    threads: int = Field(0, ge=0, description="torch CPU threads; 0 = torch's default")
+    save_dtype: str = Field("float16", description="float16, bfloat16 or float32 weights")
+
+
+def distill(s: DistillSettings, log=print) -> dict | None:
+    """Runs (or resumes) a distillation; returns the report, or None if stopped early."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from workers.engine.loader import load_tokenizer, resolve_model
+
+    if s.save_dtype not in SAVE_DTYPES:
+        raise ValueError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}")
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    folder = s.out / "checkpoint"
+    _check_recipe(folder, s)
+    path = resolve_model(s.target)
+    tokenizer = load_tokenizer(path)
+    target_config = AutoConfig.from_pretrained(path)
+    loaded: dict = {}
+
+    def target_hf():
+        if "hf" not in loaded:
+            log(f"loading the target {s.target}")
+            loaded["hf"] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return loaded["hf"]
+
+    def teacher() -> Teacher:
+        if "teacher" not in loaded:
+            size = EngineConfig(max_sessions=s.gen_batch, max_seq_len=320 + s.max_new_tokens)
+            engine = Engine.from_hf(target_hf(), tokenizer, size, s.target)
+            loaded["teacher"] = Teacher(engine, tokenizer)
+        return loaded["teacher"]
+
+    spec = DataSpec(s.tokens, s.eval_prompts, s.max_new_tokens, s.gen_batch, s.top_k, s.seed)
+    examples, heldout = collect(folder / "data", spec, teacher, log)
+    kept = choose_vocab(examples, target_config.vocab_size, s.vocab_top, tokenizer.all_special_ids)
+    config = draft_config(target_config, s.layers, s.hidden, s.intermediate)
+    torch.manual_seed(s.seed)
+    trainer = DraftTrainer(config, kept)
+    checkpoint = Checkpoint(folder / "state.pt")
+    if not checkpoint.path.is_file():
+        sample = [e.ids for e in examples[:INIT_SEQUENCES]]
+        axes = residual_axes(target_hf(), s.layers, s.hidden, sample)
+        init_from_target(trainer, target_hf(), axes)
+    answer_tokens = sum(e.answer_len for e in examples)
+    log(
+        f"train: {len(examples)} prompts, {answer_tokens} answer tokens, kept vocabulary "
+        f"{len(kept)} of {config.vocab_size}, draft {_millions(trainer.body)}M body parameters"
+    )
+    steps = TrainSpec(s.steps, s.batch_size, s.lr, s.prompt_weight, s.checkpoint_every, s.seed)
+    if not train(trainer, examples, heldout, steps, checkpoint, log, s.stop_after):
+        return None
+
+    export(trainer, s.out, path, SAVE_DTYPES[s.save_dtype])
+    saved = AutoModelForCausalLM.from_pretrained(s.out, dtype=torch.float32).eval()
+    result = saved_agreement(saved, heldout, trainer)
+    state = torch.load(checkpoint.path, weights_only=False)
+    report = {
+        "target": s.target,
+        "recipe": {name: getattr(s, name) for name in (*DATA_RECIPE, *TRAIN_RECIPE)},
+        "train_prompts": len(examples),
+        "train_answer_tokens": answer_tokens,
+        "kept_vocab": len(kept),
+        "vocab_size": config.vocab_size,
+        "kept_coverage_heldout": _coverage(heldout, trainer.slot_of, len(kept)),
+        "heldout": result,
+        "train_seconds": round(state["elapsed_s"], 1),
+        "size_bytes": sum(f.stat().st_size for f in s.out.glob("*.safetensors")),
+    }
+    (s.out / "distill.json").write_text(json.dumps(report, indent=2) + "\n")
+    log(
+        f"done: held-out agreement with the target's greedy token: top-1 {result['top1']:.3f}, "
+        f"top-{TOP} {result[f'top{TOP}']:.3f} over {result['positions']} answer positions "
+        f"({len(heldout)} prompts); unkept argmax {result['unkept_argmax']}; "
+        f"saved {s.out} ({report['size_bytes'] / 1e6:.1f} MB)"
+    )
+    return report
+
+
+def saved_agreement(model, heldout: list[Example], trainer: DraftTrainer) -> dict:
+    """Agreement of the exported directory itself (full-vocabulary logits, as served)."""
+    unkept = [0]
+
+    def top_ids(ids, mask):
+        guesses = model(input_ids=ids, attention_mask=mask).logits.topk(TOP, dim=-1).indices
+        unkept[0] += int((trainer.slot_of[guesses[..., 0]] == len(trainer.kept))[mask > 0].sum())
+        return guesses
+
+    result = agreement(heldout, top_ids, trainer.slot_of)
+    return {**result, "unkept_argmax": unkept[0]}
+
+
+def _coverage(examples: list[Example], slot_of: torch.Tensor, k: int) -> float:
+    """Share of held-out tokens (prompt and answer) that have a draft row."""
+    ids = torch.tensor([t for e in examples for t in e.ids])
+    return round(float((slot_of[ids] < k).float().mean()), 4)
+
+
+def _millions(module: torch.nn.Module) -> float:
+    params = sum(p.numel() for n, p in module.named_parameters() if "embed_tokens" not in n)
+    return round(params / 1e6, 2)
+
+
+def _check_recipe(folder: Path, s: DistillSettings) -> None:
+    """Refuses to mix a checkpoint's work with different options; records them on first use."""
+    meta = folder / "recipe.json"
+    recipe = {name: _jsonable(getattr(s, name)) for name in (*DATA_RECIPE, *TRAIN_RECIPE)}
+    if meta.is_file():
+        old = json.loads(meta.read_text())
+        data_diff = [n for n in DATA_RECIPE if old.get(n) != recipe[n]]
+        if data_diff:
+            raise ValueError(
+                f"{folder} holds data made with other options ({_diff(old, recipe, data_diff)}); "
+                f"pass the same options or use another --out"
+            )
+        train_diff = [n for n in TRAIN_RECIPE if old.get(n) != recipe[n]]
+        if train_diff and (folder / "state.pt").is_file():
+            raise ValueError(
+                f"{folder}/state.pt was trained with other options "
+                f"({_diff(old, recipe, train_diff)}); pass the same options, or delete "
+                f"state.pt to train again on the cached data"
+            )
+    folder.mkdir(parents=True, exist_ok=True)
+    meta.write_text(json.dumps(recipe, indent=2) + "\n")
+
+
+def _diff(old: dict, new: dict, names: list[str]) -> str:
+    return ", ".join(f"--{n.replace('_', '-')} was {old.get(n)!r}, now {new[n]!r}" for n in names)
+
+
+def _jsonable(value):
+    return str(value) if isinstance(value, Path) else value
+
+
+def main(argv: list[str]) -> None:
+    s = parse(DistillSettings, argv)
+    start = time.perf_counter()
+
+    def log(message: str) -> None:
+        print(f"[{duration(time.perf_counter() - start):>6}] {message}", flush=True)
+
+    try:
+        distill(s, log)
+    except (ValueError, RuntimeError) as error:
+        sys.exit(f"specsplit distill: {error}")
