@@ -119,6 +119,7 @@ async def serve_draft(engine: Engine | None, settings: WorkerSettings) -> Worker
         wait_s=settings.batch_wait_ms / 1000,
         max_tokens=settings.max_batch_tokens,
         on_batch=metrics.observe_batch,
+        held_sessions=lambda: list(table.sessions),
     )
     servicer = DraftServicer(drafter, batcher, thread, info, cache_len)
     return await WorkerServer.start(

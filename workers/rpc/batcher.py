@@ -6,8 +6,9 @@ arrive from many gRPC handlers and hands them to the runner's batched step
 (`TargetRunner.verify(calls)`, `ModelDrafter.propose(calls)`) as one list:
 
     arrive -> queue -> [wait until the first call is batch_wait old, or the
-    queue holds max_tokens] -> take calls up to max_tokens -> step(calls) on
-    the engine thread -> each caller gets its own result or exception
+    queue holds max_tokens, or every session held has a call queued] -> take
+    calls up to max_tokens -> step(calls) on the engine thread -> each caller
+    gets its own result or exception
 
 Calls that queued while the previous step ran are already old enough, so
 under load batches form without any added wait. A session appears at most
@@ -23,7 +24,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -81,6 +82,7 @@ class Batcher(Generic[C, R]):
         wait_s: float = 0.002,
         max_tokens: int = 2048,
         on_batch: Callable[[BatchReport], None] = lambda report: None,
+        held_sessions: Callable[[], Collection[str]] | None = None,
     ):
         self.step = step  # the runner's batched method; one result or exception per call
         self.thread = thread
@@ -89,6 +91,10 @@ class Batcher(Generic[C, R]):
         self.wait_ns = int(wait_s * 1e9)  # most a call waits for others to join its batch
         self.max_tokens = max_tokens  # a batch stops growing at this summed cost
         self.on_batch = on_batch
+        # the sessions the worker holds (None: unknown); when the queue holds a call of
+        # each and of no other, nobody else is coming: waiting is pure latency (one stream
+        # alone). A new session's first call still waits: others may be starting too.
+        self.held_sessions = held_sessions
         self.batches = 0  # steps run
         self.largest = 0  # most calls in one step
         self._queue: deque[_Queued[C]] = deque()
@@ -122,9 +128,18 @@ class Batcher(Generic[C, R]):
         self._queue.append(_Queued(call, self.key(call), cost, time.perf_counter_ns(), future))
         self._queued_cost += cost
         self._ready.set()
-        if self._queued_cost >= self.max_tokens:
+        if self._queued_cost >= self.max_tokens or self._everyone_queued():
             self._full.set()
         return await future
+
+    def _everyone_queued(self) -> bool:
+        if self.held_sessions is None or not self._queue:
+            return False
+        try:
+            held = set(self.held_sessions())  # the engine thread may be changing it
+        except RuntimeError:
+            return False
+        return {q.key for q in self._queue} == held
 
     async def _run(self) -> None:
         while True:
@@ -144,7 +159,8 @@ class Batcher(Generic[C, R]):
         """Waits until the oldest call is wait_ns old or the queue is full."""
         oldest = self._queue[0]
         left_ns = oldest.arrived_ns + self.wait_ns - time.perf_counter_ns()
-        if left_ns <= 0 or oldest.passed_over or self._queued_cost >= self.max_tokens:
+        full = self._queued_cost >= self.max_tokens or self._everyone_queued()
+        if left_ns <= 0 or oldest.passed_over or full:
             return
         self._full.clear()
         with contextlib.suppress(TimeoutError):

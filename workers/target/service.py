@@ -78,6 +78,7 @@ async def serve_target(engine: Engine, settings: WorkerSettings) -> WorkerServer
         wait_s=settings.batch_wait_ms / 1000,
         max_tokens=settings.max_batch_tokens,
         on_batch=metrics.observe_batch,
+        held_sessions=lambda: list(table.sessions),
     )
     info = engine_info("target", engine, runner.max_tree_nodes)
     servicer = TargetServicer(runner, batcher, thread, info)
