@@ -22,6 +22,7 @@ import torch
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
+from workers.benchmarks.workloads import TEXTS
 from workers.decoder import SpecDecoder, stop_token_ids
 from workers.draft.runner import NgramDrafter, TreeSpec
 from workers.engine.engine import Engine, EngineConfig
@@ -30,18 +31,6 @@ from workers.engine.text import encode_chat
 from workers.settings import parse, settings_config
 from workers.spec.sampling import SamplingParams
 from workers.target.runner import TargetRunner
-
-TEXTS = [
-    "The old lighthouse stood at the edge of the cliff, its white paint peeling in the salt "
-    "wind. Every night the keeper climbed the hundred and twelve steps to light the lamp, and "
-    "every morning he wrote the weather in a small blue notebook that he kept by the window.",
-    "Our team meets every Monday at nine to review the open tickets. Each engineer reports "
-    "what they finished last week, what they plan for this week, and anything that blocks "
-    "them. The meeting ends when every ticket has an owner and a due date.",
-    "To bake the bread, mix the flour, water, salt and yeast in a large bowl until no dry flour "
-    "remains. Cover the bowl and let the dough rest for one hour, then fold it twice and shape "
-    "it into a round loaf before baking it in a hot oven for forty minutes.",
-]
 
 
 def grounded_prompts() -> list[str]:

@@ -129,7 +129,8 @@ def test_gguf_path_resolves_once(embedded_model_dir: Path, embedded_gguf: Path) 
 def test_gguf_path_cached_is_not_converted_again(
     embedded_gguf: Path, no_fetch_or_convert: None
 ) -> None:
-    resolve_model(str(embedded_gguf))  # converted by the test above or an earlier run
+    path = resolve_model(str(embedded_gguf))  # converted by the test above or an earlier run
+    assert (path / "model.safetensors").is_file()
 
 
 def test_unknown_model_names_everything_tried(hub_offline: None) -> None:
