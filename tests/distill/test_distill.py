@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from workers import cli
 from workers.decoder import build_decoder
-from workers.distill import prompts
+from workers.distill import bench, prompts
 from workers.distill.data import load_batches
 from workers.distill.model import DraftTrainer
 from workers.distill.run import DistillSettings, distill
@@ -121,3 +121,14 @@ def test_data_cache_serves_a_smaller_run_and_options_must_match(tiny_target, dra
         distill(settings(tiny_target, draft, hidden=48), log=lambda _: None)
     with pytest.raises(ValueError, match="--seed was 3, now 4"):
         distill(settings(tiny_target, draft, seed=4), log=lambda _: None)
+
+
+def test_draft_bench_rows_all_give_the_target_tokens(tiny_target, draft):
+    table = bench.run(
+        bench.DraftBenchSettings(
+            target_model=str(tiny_target), draft_model=str(draft), prompts=2, max_tokens=8
+        )
+    )
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "tokens/s" not in line]
+    assert len(rows) == 7 and all(row.endswith("| yes |") for row in rows)
+    assert "top-1 **" in table and "draft/target **" in table

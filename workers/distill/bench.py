@@ -7,8 +7,9 @@ on held-out chat prompts (topics and passages the draft never trained on), greed
   (b) tokens per target forward (accepted draft tokens + the bonus token) with a tree;
   (c) the cost of one forward of 1 token behind a KV cache, draft over target, both on
       SpecSplit's native engine (medians, interleaved so load changes hit both alike);
-  (d) tokens/s of SpecDecoder with speculation off, the n-gram draft and the model draft,
-      prompt by prompt in turn, checking that all three give the same tokens.
+  (d) tokens/s of SpecDecoder with speculation off, the n-gram draft and the model draft
+      (with the default tree, a smaller tree and a chain), prompt by prompt in turn,
+      checking that all give the same tokens.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class DraftBenchSettings(BaseSettings):
     tree_depth: int = Field(6, ge=1, description="tree of both drafts (TreeSpec() defaults)")
     tree_branching: int = Field(2, ge=1, description="children per expanded node")
     tree_budget: int = Field(16, ge=1, description="most tree nodes per round")
+    small_depth: int = Field(3, ge=1, description="the smaller tree of the extra rows (and chain)")
+    small_branching: int = Field(2, ge=1, description="its children per expanded node")
+    small_budget: int = Field(6, ge=1, description="its most nodes per round")
     cost_repeats: int = Field(40, ge=1, description="timed 1-token forwards per model")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = torch's default")
     out: Path | None = Field(None, description="Markdown file to write (default: print only)")
@@ -85,18 +89,29 @@ def agreement(draft: Engine, prompt: list[int], answer: list[int]) -> tuple[int,
 
 
 @torch.inference_mode()
-def one_token_costs(engines: dict[str, Engine], repeats: int) -> dict[str, float]:
-    """Median seconds of a 1-token forward after a 64-token prefix, per engine (interleaved)."""
-    prefix = list(range(1000, 1064))
-    times: dict[str, list[float]] = {name: [] for name in engines}
+def forward_costs(engines: dict[str, Engine], sizes: dict[str, list[int]], repeats: int):
+    """Median seconds of a forward of n new tokens (a chain) after a 64-token prefix.
+
+    {name: {n: seconds}} for every engine and each n in sizes[name]; the timed calls of all
+    engines are interleaved so that a change of machine load hits them alike.
+    """
+    times = {name: {n: [] for n in sizes[name]} for name in engines}
     for engine in engines.values():
+        prefix = [(1000 + i) % engine.vocab_size for i in range(64)]
         engine.forward([SlotInput(0, 0, list(range(-1, 63)), prefix)])
     for i in range(repeats):
         for name, engine in engines.items():
-            start = time.perf_counter()
-            engine.forward([SlotInput(0, 64 + i, [-1], [1000 + i])])
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+            token = (1100 + i) % engine.vocab_size
+            for n in sizes[name]:  # n tokens at positions 64.., overwritten by the next call
+                row = SlotInput(0, 64, list(range(-1, n - 1)), [token] * n)
+                start = time.perf_counter()
+                engine.forward([row])
+                times[name][n].append(time.perf_counter() - start)
+    return {name: {n: statistics.median(t) for n, t in ts.items()} for name, ts in times.items()}
+
+
+def _shape(spec: TreeSpec) -> str:
+    return f"{spec.depth}/{spec.branching}/{spec.budget}"
 
 
 def run(s: DraftBenchSettings) -> str:
@@ -111,17 +126,26 @@ def run(s: DraftBenchSettings) -> str:
     texts = prompts.take("heldout", s.prompt_seed, s.prompts)
     chats = [encode_chat(target.tokenizer, [{"role": "user", "content": t}]) for t in texts]
 
+    small = TreeSpec(depth=s.small_depth, branching=s.small_branching, budget=s.small_budget)
+    chain = TreeSpec(depth=s.small_depth, branching=1, budget=s.small_depth)
+
+    def decoder(drafter, spec: TreeSpec) -> SpecDecoder:
+        return SpecDecoder(TargetRunner(target, SessionTable(2)), drafter, spec, stops)
+
+    def ngram():
+        return NgramDrafter(SessionTable(4))
+
+    def model():
+        return ModelDrafter(draft, SessionTable(2))
+
     decoders = {
-        "speculation off": SpecDecoder(TargetRunner(target, SessionTable(2)), None, tree, stops),
-        "n-gram draft": SpecDecoder(
-            TargetRunner(target, SessionTable(2)), NgramDrafter(SessionTable(4)), tree, stops
-        ),
-        f"model draft ({s.draft_model})": SpecDecoder(
-            TargetRunner(target, SessionTable(2)),
-            ModelDrafter(draft, SessionTable(2)),
-            tree,
-            stops,
-        ),
+        "speculation off": decoder(None, tree),
+        f"n-gram draft, tree {_shape(tree)} (default)": decoder(ngram(), tree),
+        f"model draft, tree {_shape(tree)} (default)": decoder(model(), tree),
+        f"n-gram draft, tree {_shape(small)}": decoder(ngram(), small),
+        f"model draft, tree {_shape(small)}": decoder(model(), small),
+        f"n-gram draft, chain {_shape(chain)}": decoder(ngram(), chain),
+        f"model draft, chain {_shape(chain)}": decoder(model(), chain),
     }
     for decoder in decoders.values():  # warm-up
         decoder.generate(chats[0][:24], 4, SamplingParams())
@@ -142,22 +166,30 @@ def run(s: DraftBenchSettings) -> str:
     for ids, answer in zip(chats, reference, strict=True):
         h1, h3, n = agreement(draft, ids, answer)
         hits1, hits3, positions = hits1 + h1, hits3 + h3, positions + n
-    costs = one_token_costs({"target": target, "draft": draft}, s.cost_repeats)
+    verify_sizes = sorted({1, 2, 4, 8, tree.budget + 1})
+    costs = forward_costs(
+        {"target": target, "draft": draft},
+        {"target": verify_sizes, "draft": [1]},
+        s.cost_repeats,
+    )
     load_after = load_average()
 
     base = totals["speculation off"]["tokens"] / totals["speculation off"]["s"]
     lines = [
         f"Draft benchmark: target `{s.target_model}`, draft `{s.draft_model}`, "
         f"{s.prompts} held-out chat prompts (`prompts.take('heldout', {s.prompt_seed}, "
-        f"{s.prompts})`), {s.max_tokens} new tokens each, greedy, tree depth {tree.depth} / "
-        f"branching {tree.branching} / budget {tree.budget}.",
+        f"{s.prompts})`), {s.max_tokens} new tokens each, greedy. Trees are written "
+        f"depth/branching/budget; {_shape(tree)} is `TreeSpec()`, the default.",
         f"Machine: {machine()}; load average before {load_before}, after {load_after}.",
         "",
         f"- (a) agreement with the target's greedy token (teacher-forced, {positions} answer "
         f"positions): top-1 **{hits1 / positions:.3f}**, top-3 **{hits3 / positions:.3f}**",
         f"- (c) one forward of 1 token with a KV cache (native engine, median of "
-        f"{s.cost_repeats}): target {costs['target'] * 1e3:.1f} ms, draft "
-        f"{costs['draft'] * 1e3:.1f} ms: draft/target **{costs['draft'] / costs['target']:.3f}**",
+        f"{s.cost_repeats}): target {costs['target'][1] * 1e3:.1f} ms, draft "
+        f"{costs['draft'][1] * 1e3:.1f} ms: draft/target "
+        f"**{costs['draft'][1] / costs['target'][1]:.3f}**",
+        "- target forward of n tokens (what a verify of n - 1 tree nodes costs): "
+        + ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in costs["target"].items()),
         "",
         "| decoder | tokens/s | × speculation off | (b) tokens per target forward | same tokens |",
         "|---|---:|---:|---:|:---:|",

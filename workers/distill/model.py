@@ -1,7 +1,8 @@
 """The draft model: a small Llama over the target's tokenizer, trained on a kept vocabulary.
 
-Shape. `draft_config` makes a narrow Llama (hidden H, L layers, heads of 32) with the
-target's vocabulary size V, RoPE, context and special token ids, and tied embeddings.
+Shape. `draft_config` makes a narrow Llama (hidden H, L layers) with the target's attention
+heads (count and size), MLP width, vocabulary size V, RoPE, context and special token ids,
+and tied embeddings.
 
 Kept vocabulary, exactly. Of the V target ids the draft gives its own row to K of them,
 the tokens the data actually uses (`choose_vocab`). The saved model is a plain tied
