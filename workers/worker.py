@@ -53,7 +53,10 @@ class WorkerSettings(BaseSettings):
         None, ge=0, description="Prometheus /metrics port; default gRPC port + 1000"
     )
     batch_wait_ms: float = Field(
-        2.0, ge=0, description="most a call waits for others to join its batch"
+        10.0,
+        ge=0,
+        description="most a call waits for others to join its batch (it stops waiting once "
+        "every session active in the last second has a call queued)",
     )
     max_batch_tokens: int = Field(
         2048, ge=1, description="a batch stops growing at this many tokens"

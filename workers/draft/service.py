@@ -18,7 +18,7 @@ from workers.draft.runner import ModelDrafter, NgramDrafter, ProposeCall, TreeSp
 from workers.engine.engine import Engine
 from workers.engine.sessions import SessionTable
 from workers.rpc import convert
-from workers.rpc.batcher import Batcher, EngineThread
+from workers.rpc.batcher import ACTIVE_S, Batcher, EngineThread
 from workers.rpc.metrics import MeteredEngine, WorkerMetrics
 from workers.rpc.server import WorkerServer, engine_info
 
@@ -119,7 +119,7 @@ async def serve_draft(engine: Engine | None, settings: WorkerSettings) -> Worker
         wait_s=settings.batch_wait_ms / 1000,
         max_tokens=settings.max_batch_tokens,
         on_batch=metrics.observe_batch,
-        held_sessions=lambda: list(table.sessions),
+        held_sessions=lambda: table.active(ACTIVE_S),
     )
     servicer = DraftServicer(drafter, batcher, thread, info, cache_len)
     return await WorkerServer.start(

@@ -33,6 +33,10 @@ from workers.rpc.convert import Timings
 
 log = logging.getLogger(__name__)
 
+# a session that called within this many seconds is expected to call again (the batch
+# waits for it); older ones (a conversation kept for its next turn) are not waited for
+ACTIVE_S = 1.0
+
 C = TypeVar("C")  # a call (VerifyCall, ProposeCall)
 R = TypeVar("R")  # its result (VerifyOutcome, TokenTree)
 
@@ -91,9 +95,9 @@ class Batcher(Generic[C, R]):
         self.wait_ns = int(wait_s * 1e9)  # most a call waits for others to join its batch
         self.max_tokens = max_tokens  # a batch stops growing at this summed cost
         self.on_batch = on_batch
-        # the sessions the worker holds (None: unknown); when the queue holds a call of
-        # each and of no other, nobody else is coming: waiting is pure latency (one stream
-        # alone). A new session's first call still waits: others may be starting too.
+        # the sessions the worker holds and that called lately (None: unknown); when the
+        # queue holds a call of each and of no other, nobody else is coming: waiting is pure
+        # latency (one stream alone). A new session's first call still waits.
         self.held_sessions = held_sessions
         self.batches = 0  # steps run
         self.largest = 0  # most calls in one step

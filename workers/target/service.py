@@ -16,7 +16,7 @@ from proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from workers.engine.engine import Engine
 from workers.engine.sessions import SessionTable
 from workers.rpc import convert
-from workers.rpc.batcher import Batcher, EngineThread
+from workers.rpc.batcher import ACTIVE_S, Batcher, EngineThread
 from workers.rpc.metrics import MeteredEngine, WorkerMetrics
 from workers.rpc.server import WorkerServer, engine_info
 from workers.target.runner import TargetRunner, VerifyCall
@@ -78,7 +78,7 @@ async def serve_target(engine: Engine, settings: WorkerSettings) -> WorkerServer
         wait_s=settings.batch_wait_ms / 1000,
         max_tokens=settings.max_batch_tokens,
         on_batch=metrics.observe_batch,
-        held_sessions=lambda: list(table.sessions),
+        held_sessions=lambda: table.active(ACTIVE_S),
     )
     info = engine_info("target", engine, runner.max_tree_nodes)
     servicer = TargetServicer(runner, batcher, thread, info)
