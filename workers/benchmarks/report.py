@@ -177,7 +177,9 @@ def markdown(run: Run) -> str:
         f"{run.started_load[2]:.2f} (1/5/15 min). Target {s.target_model}, fp32, greedy, "
         f"at most {s.max_tokens} new tokens per request. Model draft: {run.draft or '-'}. "
         f"Workloads: {s.prompts} input-grounded prompts, the first {s.humaneval} HumanEval "
-        f"problems. The run took {run.seconds / 60:.1f} min.",
+        f"problems. SpecSplit rows: `specsplit serve` per row, workers with "
+        f"{s.worker_threads or 'the default number of'} torch thread(s), streamed over HTTP "
+        f"with httpx. The run took {run.seconds / 60:.1f} min.",
         "",
         "## One stream",
         "",

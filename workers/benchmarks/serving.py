@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -68,6 +69,7 @@ class Serve:
         draft_model: str | None,
         max_sessions: int,
         knee_tokens: float,
+        worker_threads: int = 0,
         timeout_s: float = 600.0,
     ):
         self.config = config
@@ -83,6 +85,9 @@ class Serve:
         command += ["--overlap-draft" if config.overlap else "--no-overlap-draft"]
         command += ["--adaptive-knee-tokens", str(knee_tokens)]
         self.command = command
+        self.env = dict(os.environ)
+        if worker_threads > 0:  # the workers' torch threads (the gateway barely uses torch)
+            self.env["OMP_NUM_THREADS"] = str(worker_threads)
         self.timeout_s = timeout_s
         self.lines: list[str] = []
         self.ready = threading.Event()
@@ -94,7 +99,7 @@ class Serve:
 
     def __enter__(self) -> Serve:
         self.process = subprocess.Popen(
-            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env
         )
         threading.Thread(target=self._drain, daemon=True).start()
         if not self.ready.wait(self.timeout_s):

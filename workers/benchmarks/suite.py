@@ -74,8 +74,14 @@ class BenchSettings(BaseSettings):
     )
     ngram_depth: int = Field(16, ge=1, description="n-gram tree/chain depth")
     ngram_budget: int = Field(16, ge=1, description="n-gram tree nodes (the chain's depth too)")
-    model_depth: int = Field(6, ge=1, description="model-draft tree/chain depth")
-    model_budget: int = Field(12, ge=1, description="model-draft tree nodes")
+    model_depth: int = Field(6, ge=1, description="model-draft tree depth")
+    model_budget: int = Field(8, ge=1, description="model-draft tree nodes (the chain's depth)")
+    worker_threads: int = Field(
+        1,
+        ge=0,
+        description="torch threads of each serve worker (OMP_NUM_THREADS); 0 = torch's "
+        "default. 1 leaves the second core of a 2-core machine to the gateway and client",
+    )
     knee_tokens: float = Field(20.0, ge=0, description="--adaptive-knee-tokens of the serves")
     out: Path = Field(Path("bench/results"), description="where CSV, Markdown and PNG go")
 
@@ -90,7 +96,7 @@ def serve_configs(s: BenchSettings) -> dict[str, ServeConfig]:
         ServeConfig("ngram-chain", "ngram", nb, 1, nb),
         ServeConfig("ngram-tree", "ngram", nd, 2, nb),
         ServeConfig("ngram-tree-adaptive", "ngram", nd, 2, nb, adaptive=True),
-        ServeConfig("model-chain", "model", md, 1, md),
+        ServeConfig("model-chain", "model", mb, 1, mb),
         ServeConfig("model-tree", "model", md, 2, mb),
         ServeConfig("model-tree-adaptive", "model", md, 2, mb, adaptive=True),
         ServeConfig("model-tree-overlap", "model", md, 2, mb, adaptive=True, overlap=True),
@@ -210,7 +216,8 @@ def run_serve(run: Run, config: ServeConfig, workloads, draft_dir, tokenizer) ->
     sweep = config.name in s.names(s.sweep_rows)
     streams = [int(n) for n in s.names(s.streams)]
     most = max(streams) if sweep else 1
-    with Serve(config, s.target_model, draft_dir, max(8, most), s.knee_tokens) as serve:
+    threads = s.worker_threads
+    with Serve(config, s.target_model, draft_dir, max(8, most), s.knee_tokens, threads) as serve:
 
         def measure(workload: str, n: int) -> Result:
             conversations = workloads[workload]
