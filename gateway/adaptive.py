@@ -7,12 +7,14 @@ Both sides are estimated per round:
   its last rounds (exponentially weighted). With a chain of depth D, a round
   emits E(D) = (1 - alpha^(D+1)) / (1 - alpha) tokens on average (Leviathan
   et al. 2022: accepted draft tokens plus the bonus token).
-- cost: a target forward over n tokens takes about a + b*n (weights are read
-  once, then compute grows with the tokens). `knee_tokens` = a / b is the
-  forward's fixed cost in tokens: about 20 for a 135M model on a 2-core CPU,
-  hundreds on a GPU. The target batches the rounds of its S live sessions,
-  so a round in which every session feeds 1 + N tokens costs
-  knee + S * (1 + N).
+- cost: a round whose target forward takes n tokens lasts about a + b*n
+  (weights are read once, then compute grows with the tokens; the round's
+  network and gateway time adds to a). `knee_tokens` = a / b is the round's
+  fixed cost in tokens: about 30 for a 135M model on a 2-core CPU (forward of
+  1 token 23 ms, of 17 tokens 34 ms, plus ~5 ms of gRPC and gateway), hundreds
+  on a GPU (speed is flat in it: 20 to 48 move tokens/s by 1-3% in
+  simulation). The target batches the rounds of its S live sessions, so a
+  round in which every session feeds 1 + N tokens costs knee + S * (1 + N).
 
 The depth maximises tokens per unit of target time, E(D) / (knee + S(1 + D)),
 over 0..max depth. The tree keeps the configured shape's nodes-per-level
@@ -45,7 +47,7 @@ from workers.draft.runner import TreeSpec
 class AdaptiveConfig:
     """How trees adapt (gateway settings `--adaptive-*`)."""
 
-    knee_tokens: float = 20.0  # the target forward's fixed cost, in tokens fed (a / b)
+    knee_tokens: float = 32.0  # a round's fixed cost, in tokens fed (a / b)
     ewma: float = 0.3  # weight of the newest round in the acceptance estimate
     prior_rate: float = 0.8  # per-token acceptance assumed before the first round
     probe_every: int = 8  # with speculation off, draft one level every this many rounds

@@ -41,10 +41,10 @@ class GatewayOptions(BaseSettings):
         "acceptance and the target's live sessions; false = always the full tree",
     )
     adaptive_knee_tokens: float = Field(
-        20.0,
+        32.0,
         ge=0,
-        description="a target forward's fixed cost in tokens fed (about 20 for a small model "
-        "on CPU, hundreds on a GPU): how much a tree node costs next to a whole forward",
+        description="a target forward's fixed cost in tokens fed (about 30 for a small model "
+        "on CPU, hundreds on a GPU): how much a tree node costs next to a whole round",
     )
     overlap_draft: bool = Field(
         False, description="draft the next round's tree while the target verifies this one"

@@ -82,7 +82,7 @@ class BenchSettings(BaseSettings):
         description="torch threads of each serve worker (OMP_NUM_THREADS); 0 = torch's "
         "default. 1 leaves the second core of a 2-core machine to the gateway and client",
     )
-    knee_tokens: float = Field(20.0, ge=0, description="--adaptive-knee-tokens of the serves")
+    knee_tokens: float = Field(32.0, ge=0, description="--adaptive-knee-tokens of the serves")
     out: Path = Field(Path("bench/results"), description="where CSV, Markdown and PNG go")
 
     def names(self, value: str) -> list[str]:
