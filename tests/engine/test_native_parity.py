@@ -43,6 +43,20 @@ def test_incremental_and_batched_match_transformers(kind):
         assert (out - hf_logits(hf, s)[-5:]).abs().max() < 1e-3
 
 
+def test_decode_batched_with_a_prefill_matches_transformers():
+    """Rows of 1 and 20 new tokens share one unpadded forward; all logits stay exact."""
+    hf = tiny_hf_model("llama", seed=4)
+    engine = Engine.from_hf(hf, None, EngineConfig(max_sessions=2, max_seq_len=256), "t")
+    gen = torch.Generator().manual_seed(3)
+    first, second = (torch.randint(0, 96, (n,), generator=gen).tolist() for n in (12, 20))
+    engine.forward([SlotInput(0, 0, chain(11), first[:-1])])
+    decode, prefill = engine.forward(
+        [SlotInput(0, 11, [-1], first[-1:]), SlotInput(1, 0, chain(20), second, logits_for=20)]
+    )
+    assert (decode[0] - hf_logits(hf, first)[-1]).abs().max() < 1e-3
+    assert (prefill - hf_logits(hf, second)).abs().max() < 1e-3
+
+
 def test_tree_rows_match_their_own_paths():
     """Each tree node's logits equal a plain forward of its root-to-node path."""
     hf = tiny_hf_model("llama", seed=5)

@@ -102,9 +102,10 @@ class Engine:
     def forward(self, rows: list[SlotInput]) -> list[torch.Tensor]:
         """Runs one forward over several slots; returns logits (logits_for_b, V) per row."""
         batch = self.batch(rows)
-        hidden = self.model.hidden(self.cache, batch)  # (B, T, E)
+        hidden = self.model.hidden(self.cache, batch)  # (N, E)
+        ends = torch.tensor(batch.lengths).cumsum(0).tolist()
         picked = torch.cat(
-            [hidden[b, len(r.tokens) - r.logits_for : len(r.tokens)] for b, r in enumerate(rows)]
+            [hidden[end - r.logits_for : end] for end, r in zip(ends, rows, strict=True)]
         )  # (sum logits_for, E)
         logits = self.model.logits(picked)  # (sum logits_for, V)
         return list(logits.split([r.logits_for for r in rows]))
@@ -116,26 +117,29 @@ class Engine:
             raise ValueError(
                 f"sequence of {width} tokens exceeds the cache ({self.cache.max_seq_len} tokens)"
             )
-        tokens = torch.zeros(len(rows), t, dtype=torch.long)  # (B, T)
-        positions = torch.zeros(len(rows), t, dtype=torch.long)  # (B, T)
         mask = torch.zeros(len(rows), t, width, dtype=torch.bool)  # (B, T, L)
         mask[:, :, 0] = True  # padding rows see one entry, so softmax stays finite
+        positions = []
         for b, r in enumerate(rows):
             n, u = len(r.tokens), len(r.parents)
             parents = torch.tensor(r.parents, dtype=torch.long)  # (U,)
-            tokens[b, :n] = torch.tensor(r.tokens, dtype=torch.long)
-            positions[b, :n] = r.prefix_len + depths(parents)[u - n :] - 1
+            positions.append(r.prefix_len + depths(parents)[u - n :] - 1)  # (T_b,)
             mask[b, :n, : r.prefix_len] = True
             mask[b, :n, r.prefix_len : r.prefix_len + u] = tree_mask(parents)[u - n :]
+        lengths = [len(r.tokens) for r in rows]
+        packed = None
+        if min(lengths) < t:  # (N,) where each real token sits in the padded (B * T)
+            packed = torch.cat([torch.arange(n) + b * t for b, n in enumerate(lengths)])
         return ForwardBatch(
             slots=torch.tensor([r.slot for r in rows], dtype=torch.long, device=self.device),
-            tokens=tokens.to(self.device),
-            positions=positions.to(self.device),
+            tokens=torch.tensor([x for r in rows for x in r.tokens], device=self.device),
+            positions=torch.cat(positions).to(self.device),
             write_at=torch.tensor(
                 [r.prefix_len + len(r.parents) - len(r.tokens) for r in rows], device=self.device
             ),
             mask=mask.to(self.device),
-            lengths=[len(r.tokens) for r in rows],
+            lengths=lengths,
+            packed=None if packed is None else packed.to(self.device),
         )
 
     def commit(self, slot: int, prefix_len: int, keep: list[int]) -> None:

@@ -59,7 +59,7 @@ class SlotKVCache:
 
     def write_index(self, batch: ForwardBatch) -> torch.Tensor:
         # (B, T): cache column of every new token; padding goes to the scratch column
-        t = batch.tokens.shape[1]
+        t = batch.width
         offsets = torch.arange(t, device=batch.tokens.device)  # (T,)
         lengths = torch.tensor(batch.lengths, device=batch.tokens.device)  # (B,)
         index = batch.write_at[:, None] + offsets  # (B, T)

@@ -69,19 +69,40 @@ class LlamaShape:
 
 @dataclass(frozen=True)
 class ForwardBatch:
-    """New tokens of B slots for one forward, padded to T.
+    """New tokens of B slots for one forward: N = sum(T_b) tokens, row after row.
 
     Each slot has a committed prefix (visible to every new token) followed by
     an uncommitted region of U tokens laid out as a tree; this forward feeds the
     last T_b tokens of that region (the first U - T_b are already cached).
+
+    Every layer but attention works on the N real tokens, unpadded, so a long
+    prefill batched with one-token decodes costs what its tokens cost; only
+    attention lays them out padded to (B, T = max T_b).
     """
 
     slots: torch.Tensor  # (B,) long: the cache slot of each row
-    tokens: torch.Tensor  # (B, T) long: new tokens, padding arbitrary
-    positions: torch.Tensor  # (B, T) long: RoPE positions
+    tokens: torch.Tensor  # (N,) long: new tokens
+    positions: torch.Tensor  # (N,) long: RoPE positions
     write_at: torch.Tensor  # (B,) long: cache index of each row's first new token
     mask: torch.Tensor  # (B, T, L) bool: which cache entries each new token sees
-    lengths: list[int]  # T_b: real (unpadded) new tokens per row
+    lengths: list[int]  # T_b: new tokens per row
+    packed: torch.Tensor | None  # (N,) long: index of each token in B * T; None: no padding
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]  # T
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (N, h, D) -> (B, h, T, D), padding zero
+        b, t = len(self.lengths), self.width
+        if self.packed is not None:
+            x = x.new_zeros(b * t, *x.shape[1:]).index_copy_(0, self.packed, x)
+        return x.view(b, t, *x.shape[1:]).transpose(1, 2)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (B, T, ...) -> (N, ...), the real tokens only
+        x = x.reshape(-1, *x.shape[2:])
+        return x if self.packed is None else x.index_select(0, self.packed)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,9 +137,9 @@ class Rotary(nn.Module):
         self.scaling = float(scaling)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        # positions: (B, T) -> cos, sin: (B, 1, T, D)
-        freqs = positions[..., None].float() * self.inv_freq  # (B, T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
+        # positions: (N,) -> cos, sin: (N, 1, D)
+        freqs = positions[..., None].float() * self.inv_freq  # (N, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (N, D)
         cos = (emb.cos() * self.scaling).to(dtype)[:, None]
         sin = (emb.sin() * self.scaling).to(dtype)[:, None]
         return cos, sin
@@ -139,21 +160,22 @@ class Block(nn.Module):
         self.index = index
 
     def attention(self, x, cos, sin, cache: SlotKVCache, batch: ForwardBatch):
+        # x: (N, E) -> (N, E); cos, sin: (N, 1, D)
         s = self.shape
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, s.num_heads, s.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        keys, values = cache.write_and_read(self.index, batch, k, v)  # (B, Hkv, L, D) each
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, s.num_heads, s.head_dim)  # (N, H, D)
+        k = self.k_proj(x).view(n, s.num_kv_heads, s.head_dim)  # (N, Hkv, D)
+        v = self.v_proj(x).view(n, s.num_kv_heads, s.head_dim)  # (N, Hkv, D)
+        q = batch.pad(q * cos + rotate_half(q) * sin)  # (B, H, T, D)
+        k = batch.pad(k * cos + rotate_half(k) * sin)  # (B, Hkv, T, D)
+        keys, values = cache.write_and_read(self.index, batch, k, batch.pad(v))  # (B, Hkv, L, D)
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=batch.mask[:, None], enable_gqa=True
         )  # (B, H, T, D)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, s.num_heads * s.head_dim))
+        return self.o_proj(batch.unpad(out.transpose(1, 2)).reshape(n, s.num_heads * s.head_dim))
 
     def forward(self, x, cos, sin, cache: SlotKVCache, batch: ForwardBatch):
-        # x: (B, T, E) -> (B, T, E)
+        # x: (N, E) -> (N, E)
         eps = self.shape.rms_norm_eps
         x = x + self.attention(rms_norm(x, self.norm_attn, eps), cos, sin, cache, batch)
         h = rms_norm(x, self.norm_mlp, eps)
@@ -182,9 +204,9 @@ class NativeLlama(nn.Module):
         self.rotary = Rotary(config)
 
     def hidden(self, cache: SlotKVCache, batch: ForwardBatch) -> torch.Tensor:
-        """Writes the new tokens' keys/values into the cache; returns final hidden (B, T, E)."""
-        x = self.embed(batch.tokens)  # (B, T, E)
-        cos, sin = self.rotary(batch.positions, x.dtype)  # (B, 1, T, D) each
+        """Writes the new tokens' keys/values into the cache; returns final hidden (N, E)."""
+        x = self.embed(batch.tokens)  # (N, E)
+        cos, sin = self.rotary(batch.positions, x.dtype)  # (N, 1, D) each
         for block in self.blocks:
             x = block(x, cos, sin, cache, batch)
         return rms_norm(x, self.norm, self.shape.rms_norm_eps)
