@@ -43,7 +43,7 @@ class Format:
 
     chat: bool  # /v1/chat/completions, else /v1/completions
     model: str
-    tokenizer: object
+    tokens: TokenText  # the gateway's, shared by every request
     choices: int
     include_usage: bool = False
     speculation_stats: bool = False
@@ -54,7 +54,6 @@ class Format:
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
-        self.tokens = TokenText(self.tokenizer)
         if not self.id:
             self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
 

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -28,6 +28,7 @@ from gateway.prompts import chat_prompt, completion_prompts, generation_request
 from gateway.responses import Format, sse
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
+from gateway.text import TokenText
 
 log = logging.getLogger("specsplit.gateway")
 
@@ -48,6 +49,10 @@ class Gateway:
     metrics: Metrics
     generator: Generator
     started: int
+    token_text: TokenText = field(init=False)
+
+    def __post_init__(self):
+        self.token_text = TokenText(self.tokenizer)  # reads tokenizer.json once, not per request
 
     @classmethod
     async def start(
@@ -128,7 +133,7 @@ class Gateway:
         fmt = Format(
             chat=True,
             model=body.model,
-            tokenizer=self.tokenizer,
+            tokens=self.token_text,
             choices=plan.choices,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             speculation_stats=body.speculation_stats,
@@ -150,7 +155,7 @@ class Gateway:
         fmt = Format(
             chat=False,
             model=body.model,
-            tokenizer=self.tokenizer,
+            tokens=self.token_text,
             choices=plan.choices,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             speculation_stats=body.speculation_stats,
