@@ -5,15 +5,19 @@ touches them runs on one `EngineThread`. A `Batcher` queues the calls that
 arrive from many gRPC handlers and hands them to the runner's batched step
 (`TargetRunner.verify(calls)`, `ModelDrafter.propose(calls)`) as one list:
 
-    arrive -> queue -> [wait until the first call is batch_wait old, or the
-    queue holds max_tokens, or every session held has a call queued] -> take
-    calls up to max_tokens -> step(calls) on the engine thread -> each caller
-    gets its own result or exception
+    arrive -> queue -> [wait until batch_wait has passed since the first call
+    arrived and since the previous step ended, or the queue holds max_tokens,
+    or every active session has a call queued] -> take calls up to max_tokens
+    -> step(calls) on the engine thread -> each caller gets its own result or
+    exception
 
-Calls that queued while the previous step ran are already old enough, so
-under load batches form without any added wait. A session appears at most
-once per batch; a second call of the same session goes in the next one,
-as does a call that did not fit, without waiting again.
+The wait also counts from the previous step's end because the sessions of
+that step call again a network round trip later: without it, a call that
+queued during a step would run alone right after it, the step's sessions
+would queue during that lone step, and the two groups would alternate,
+half-size batches for ever. With it they merge again. A session appears at
+most once per batch; a second call of the same session goes in the next
+one, as does a call that did not fit, without waiting again.
 """
 
 from __future__ import annotations
@@ -106,6 +110,7 @@ class Batcher(Generic[C, R]):
         self._ready = asyncio.Event()  # the queue is not empty
         self._full = asyncio.Event()  # the queue holds max_tokens
         self._task: asyncio.Task | None = None
+        self._last_end_ns = 0  # when the previous step ended
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="batcher")
@@ -160,9 +165,10 @@ class Batcher(Generic[C, R]):
                 log.exception("batch step failed")
 
     async def _gather(self) -> None:
-        """Waits until the oldest call is wait_ns old or the queue is full."""
+        """Waits until wait_ns after the oldest call and the last step, or the queue is full."""
         oldest = self._queue[0]
-        left_ns = oldest.arrived_ns + self.wait_ns - time.perf_counter_ns()
+        since = max(oldest.arrived_ns, self._last_end_ns)
+        left_ns = since + self.wait_ns - time.perf_counter_ns()
         full = self._queued_cost >= self.max_tokens or self._everyone_queued()
         if left_ns <= 0 or oldest.passed_over or full:
             return
@@ -200,7 +206,8 @@ class Batcher(Generic[C, R]):
         except Exception as error:  # noqa: BLE001 - the whole step failed: every call gets it
             log.exception("batch of %d calls failed", len(batch))
             results = [error] * len(batch)
-        forward_ns = time.perf_counter_ns() - start
+        self._last_end_ns = time.perf_counter_ns()
+        forward_ns = self._last_end_ns - start
         self.batches += 1
         self.largest = max(self.largest, len(batch))
         for q, result in zip(batch, results, strict=True):
