@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from workers.engine.kv_cache import SlotKVCache
-from workers.engine.llama import ForwardBatch, NativeLlama
+from workers.engine.llama import ForwardBatch, NativeLlama, RowGroup
 from workers.engine.packed import pack_linears
 from workers.spec.tree import depths, tree_mask
 
@@ -111,35 +111,49 @@ class Engine:
         return list(logits.split([r.logits_for for r in rows]))
 
     def batch(self, rows: list[SlotInput]) -> ForwardBatch:
-        t = max(len(r.tokens) for r in rows)
-        width = max(r.prefix_len + len(r.parents) for r in rows)  # L
-        if width > self.cache.max_seq_len:
-            raise ValueError(
-                f"sequence of {width} tokens exceeds the cache ({self.cache.max_seq_len} tokens)"
-            )
-        mask = torch.zeros(len(rows), t, width, dtype=torch.bool)  # (B, T, L)
-        mask[:, :, 0] = True  # padding rows see one entry, so softmax stays finite
-        positions = []
-        for b, r in enumerate(rows):
+        widths = [r.prefix_len + len(r.parents) for r in rows]  # L_b
+        if max(widths) > (room := self.cache.max_seq_len):
+            raise ValueError(f"sequence of {max(widths)} tokens exceeds the cache ({room} tokens)")
+        lengths = [len(r.tokens) for r in rows]  # T_b
+        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]  # row b's tokens: starts[b]:[b+1]
+        positions, masks = [], []
+        for r in rows:
             n, u = len(r.tokens), len(r.parents)
             parents = torch.tensor(r.parents, dtype=torch.long)  # (U,)
             positions.append(r.prefix_len + depths(parents)[u - n :] - 1)  # (T_b,)
-            mask[b, :n, : r.prefix_len] = True
-            mask[b, :n, r.prefix_len : r.prefix_len + u] = tree_mask(parents)[u - n :]
-        lengths = [len(r.tokens) for r in rows]
-        packed = None
-        if min(lengths) < t:  # (N,) where each real token sits in the padded (B * T)
-            packed = torch.cat([torch.arange(n) + b * t for b, n in enumerate(lengths)])
+            mask = torch.ones(n, r.prefix_len + u, dtype=torch.bool)  # (T_b, L_b)
+            mask[:, r.prefix_len :] = tree_mask(parents)[u - n :]
+            masks.append(mask)
+        groups = []
+        for new in sorted(set(lengths)):
+            members = [b for b, n in enumerate(lengths) if n == new]
+            width = max(widths[b] for b in members)
+            mask = torch.zeros(len(members), 1, new, width, dtype=torch.bool)  # (G, 1, T, L)
+            for i, b in enumerate(members):
+                mask[i, 0, :, : widths[b]] = masks[b]
+            tokens = None
+            if len(members) < len(rows):
+                tokens = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in members])
+            groups.append(
+                RowGroup(
+                    tokens=None if tokens is None else tokens.to(self.device),
+                    slots=torch.tensor([rows[b].slot for b in members], device=self.device),
+                    new=new,
+                    width=width,
+                    mask=mask.to(self.device),
+                )
+            )
+        columns = [torch.arange(w - n, w) for w, n in zip(widths, lengths, strict=True)]
         return ForwardBatch(
-            slots=torch.tensor([r.slot for r in rows], dtype=torch.long, device=self.device),
             tokens=torch.tensor([x for r in rows for x in r.tokens], device=self.device),
             positions=torch.cat(positions).to(self.device),
-            write_at=torch.tensor(
-                [r.prefix_len + len(r.parents) - len(r.tokens) for r in rows], device=self.device
+            token_slots=torch.tensor(
+                [r.slot for r, n in zip(rows, lengths, strict=True) for _ in range(n)],
+                device=self.device,
             ),
-            mask=mask.to(self.device),
+            token_columns=torch.cat(columns).to(self.device),
+            groups=groups,
             lengths=lengths,
-            packed=None if packed is None else packed.to(self.device),
         )
 
     def commit(self, slot: int, prefix_len: int, keep: list[int]) -> None:

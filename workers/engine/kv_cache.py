@@ -2,14 +2,13 @@
 
 Every session owns a slot: a row of `max_seq_len` positions in every layer.
 A forward writes its new tokens' keys and values at explicit cache indices and
-reads each slot's entries back up to the longest row of the batch. Rejected
+reads each slot's entries back up to the longest row of its row group. Rejected
 speculation needs no undo: committing keeps the accepted entries (moved to
 contiguous indices) and whatever lies beyond the committed length is simply
 overwritten by the next forward (gpt-fast's trick).
 
-Shapes: Ly layers, S slots, Hkv key/value heads, C = max_seq_len + 1 cache
-columns (the last one is scratch that absorbs the writes of batch padding),
-D head size.
+Shapes: Ly layers, S slots, Hkv key/value heads, C = max_seq_len cache
+columns, D head size.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from workers.engine.llama import ForwardBatch
+    from workers.engine.llama import ForwardBatch, RowGroup
 
 
 class SlotKVCache:
@@ -35,35 +34,24 @@ class SlotKVCache:
     ):
         self.max_seq_len = max_seq_len
         self.num_slots = num_slots
-        self.scratch = max_seq_len  # cache column that padding writes land in
-        shape = (num_layers, num_slots, num_kv_heads, max_seq_len + 1, head_dim)
+        shape = (num_layers, num_slots, num_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # (Ly, S, Hkv, C, D)
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # (Ly, S, Hkv, C, D)
 
-    def write_and_read(
-        self, layer: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stores k, v (B, Hkv, T, D) at each row's write indices; returns (B, Hkv, L, D) each."""
+    def write(self, layer: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores the new tokens' k, v (N, Hkv, D) at their slots and columns."""
         keys, values = self.k[layer], self.v[layer]  # (S, Hkv, C, D)
-        width = batch.mask.shape[-1]  # L
-        if len(batch.lengths) == 1:
-            slot, start, t = int(batch.slots[0]), int(batch.write_at[0]), k.shape[2]
-            keys[slot, :, start : start + t] = k[0]
-            values[slot, :, start : start + t] = v[0]
-            return keys[slot, :, :width][None], values[slot, :, :width][None]
-        index = self.write_index(batch)  # (B, T)
-        rows = batch.slots[:, None]  # (B, 1)
-        keys[rows, :, index] = k.transpose(1, 2)  # (B, T, Hkv, D) into (S, Hkv, C, D)
-        values[rows, :, index] = v.transpose(1, 2)
-        return keys[batch.slots, :, :width], values[batch.slots, :, :width]
+        keys[batch.token_slots, :, batch.token_columns] = k
+        values[batch.token_slots, :, batch.token_columns] = v
 
-    def write_index(self, batch: ForwardBatch) -> torch.Tensor:
-        # (B, T): cache column of every new token; padding goes to the scratch column
-        t = batch.width
-        offsets = torch.arange(t, device=batch.tokens.device)  # (T,)
-        lengths = torch.tensor(batch.lengths, device=batch.tokens.device)  # (B,)
-        index = batch.write_at[:, None] + offsets  # (B, T)
-        return torch.where(offsets < lengths[:, None], index, self.scratch)
+    def read(self, layer: int, group: RowGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's first L entries: (G, Hkv, L, D) each (a view for a group of one)."""
+        keys = self.k[layer, :, :, : group.width]  # (S, Hkv, L, D)
+        values = self.v[layer, :, :, : group.width]
+        if len(group.slots) == 1:
+            slot = int(group.slots[0])
+            return keys[slot][None], values[slot][None]
+        return keys.index_select(0, group.slots), values.index_select(0, group.slots)
 
     def commit(self, slot: int, start: int, keep: list[int]) -> None:
         """Moves entries start + keep[i] to start + i (keep is increasing)."""

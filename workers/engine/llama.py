@@ -68,41 +68,34 @@ class LlamaShape:
 
 
 @dataclass(frozen=True)
+class RowGroup:
+    """Rows of a batch with the same number of new tokens T: one attention call."""
+
+    tokens: torch.Tensor | None  # (G * T,) long: their tokens among the N, row after row; None: all
+    slots: torch.Tensor  # (G,) long: their cache slots
+    new: int  # T: new tokens per row
+    width: int  # L: cache entries their attention reads
+    mask: torch.Tensor  # (G, 1, T, L) bool: which cache entries each new token sees
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
-    """New tokens of B slots for one forward: N = sum(T_b) tokens, row after row.
+    """New tokens of B slots for one forward: N = sum(T_b) tokens, row after row, unpadded.
 
     Each slot has a committed prefix (visible to every new token) followed by
     an uncommitted region of U tokens laid out as a tree; this forward feeds the
     last T_b tokens of that region (the first U - T_b are already cached).
-
-    Every layer but attention works on the N real tokens, unpadded, so a long
-    prefill batched with one-token decodes costs what its tokens cost; only
-    attention lays them out padded to (B, T = max T_b).
+    Every layer runs on the N tokens as they are, so a long prefill batched
+    with one-token decodes costs what its tokens cost; attention runs once per
+    group of rows with equal T_b (decodes together, each prefill apart).
     """
 
-    slots: torch.Tensor  # (B,) long: the cache slot of each row
     tokens: torch.Tensor  # (N,) long: new tokens
     positions: torch.Tensor  # (N,) long: RoPE positions
-    write_at: torch.Tensor  # (B,) long: cache index of each row's first new token
-    mask: torch.Tensor  # (B, T, L) bool: which cache entries each new token sees
+    token_slots: torch.Tensor  # (N,) long: the cache slot of each token
+    token_columns: torch.Tensor  # (N,) long: the cache column each token's key/value goes to
+    groups: list[RowGroup]
     lengths: list[int]  # T_b: new tokens per row
-    packed: torch.Tensor | None  # (N,) long: index of each token in B * T; None: no padding
-
-    @property
-    def width(self) -> int:
-        return self.mask.shape[1]  # T
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        # x: (N, h, D) -> (B, h, T, D), padding zero
-        b, t = len(self.lengths), self.width
-        if self.packed is not None:
-            x = x.new_zeros(b * t, *x.shape[1:]).index_copy_(0, self.packed, x)
-        return x.view(b, t, *x.shape[1:]).transpose(1, 2)
-
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        # x: (B, T, ...) -> (N, ...), the real tokens only
-        x = x.reshape(-1, *x.shape[2:])
-        return x if self.packed is None else x.index_select(0, self.packed)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -166,13 +159,22 @@ class Block(nn.Module):
         q = self.q_proj(x).view(n, s.num_heads, s.head_dim)  # (N, H, D)
         k = self.k_proj(x).view(n, s.num_kv_heads, s.head_dim)  # (N, Hkv, D)
         v = self.v_proj(x).view(n, s.num_kv_heads, s.head_dim)  # (N, Hkv, D)
-        q = batch.pad(q * cos + rotate_half(q) * sin)  # (B, H, T, D)
-        k = batch.pad(k * cos + rotate_half(k) * sin)  # (B, Hkv, T, D)
-        keys, values = cache.write_and_read(self.index, batch, k, batch.pad(v))  # (B, Hkv, L, D)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=batch.mask[:, None], enable_gqa=True
-        )  # (B, H, T, D)
-        return self.o_proj(batch.unpad(out.transpose(1, 2)).reshape(n, s.num_heads * s.head_dim))
+        q = q * cos + rotate_half(q) * sin
+        cache.write(self.index, batch, k * cos + rotate_half(k) * sin, v)
+        out = q if len(batch.groups) == 1 else torch.empty_like(q)  # (N, H, D)
+        for g in batch.groups:
+            keys, values = cache.read(self.index, g)  # (G, Hkv, L, D) each
+            rows = q if g.tokens is None else q[g.tokens]  # (G * T, H, D)
+            rows = rows.view(len(g.slots), g.new, s.num_heads, s.head_dim).transpose(1, 2)
+            attended = F.scaled_dot_product_attention(
+                rows, keys, values, attn_mask=g.mask, enable_gqa=True
+            )  # (G, H, T, D)
+            attended = attended.transpose(1, 2).reshape(-1, s.num_heads, s.head_dim)
+            if g.tokens is None:
+                out = attended
+            else:
+                out[g.tokens] = attended
+        return self.o_proj(out.reshape(n, s.num_heads * s.head_dim))
 
     def forward(self, x, cos, sin, cache: SlotKVCache, batch: ForwardBatch):
         # x: (N, E) -> (N, E)
