@@ -74,7 +74,8 @@ class BenchSettings(BaseSettings):
     )
     ngram_depth: int = Field(16, ge=1, description="n-gram tree/chain depth")
     ngram_budget: int = Field(16, ge=1, description="n-gram tree nodes (the chain's depth too)")
-    model_depth: int = Field(6, ge=1, description="model-draft tree depth")
+    model_depth: int = Field(4, ge=1, description="model-draft tree depth")
+    model_branching: int = Field(4, ge=2, description="model-draft tree: children per node")
     model_budget: int = Field(8, ge=1, description="model-draft tree nodes (the chain's depth)")
     worker_threads: int = Field(
         1,
@@ -90,16 +91,22 @@ class BenchSettings(BaseSettings):
 
 
 def serve_configs(s: BenchSettings) -> dict[str, ServeConfig]:
-    nd, nb, md, mb = s.ngram_depth, s.ngram_budget, s.model_depth, s.model_budget
+    nd, nb, md, mb, mk = (
+        s.ngram_depth,
+        s.ngram_budget,
+        s.model_depth,
+        s.model_budget,
+        s.model_branching,
+    )
     configs = [
         ServeConfig("off", "none"),
         ServeConfig("ngram-chain", "ngram", nb, 1, nb),
         ServeConfig("ngram-tree", "ngram", nd, 2, nb),
         ServeConfig("ngram-tree-adaptive", "ngram", nd, 2, nb, adaptive=True),
         ServeConfig("model-chain", "model", mb, 1, mb),
-        ServeConfig("model-tree", "model", md, 2, mb),
-        ServeConfig("model-tree-adaptive", "model", md, 2, mb, adaptive=True),
-        ServeConfig("model-tree-overlap", "model", md, 2, mb, adaptive=True, overlap=True),
+        ServeConfig("model-tree", "model", md, mk, mb),
+        ServeConfig("model-tree-adaptive", "model", md, mk, mb, adaptive=True),
+        ServeConfig("model-tree-overlap", "model", md, mk, mb, adaptive=True, overlap=True),
     ]
     return {c.name: c for c in configs}
 
