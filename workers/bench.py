@@ -131,7 +131,14 @@ def run_engine_bench(s: EngineBenchSettings) -> str:
 
 def main(argv: list[str]) -> None:
     """`specsplit bench [options]`: the side-by-side suite (workers.benchmarks.suite);
-    `specsplit bench engine [options]`: the in-process engine comparison above."""
+    `specsplit bench engine [options]`: the in-process engine comparison above;
+    `specsplit bench ceiling [options]`: n-gram tree vs chain by replay
+    (workers.benchmarks.ceiling)."""
+    if argv and argv[0] == "ceiling":
+        from workers.benchmarks.ceiling import main as ceiling
+
+        ceiling(argv[1:])
+        return
     if not argv or argv[0] != "engine":
         from workers.benchmarks.suite import main as suite
 
