@@ -151,6 +151,14 @@ def targets(run: Run) -> list[Target]:
     return out
 
 
+def workloads(s) -> str:
+    described = {
+        "grounded": f"{s.prompts} input-grounded prompts",
+        "humaneval": f"the first {s.humaneval} HumanEval problems",
+    }
+    return ", ".join(described[w] for w in s.names(s.workloads))
+
+
 def sweep_streams(run: Run) -> list[int]:
     return sorted({r.streams for r in run.results if r.workload == "grounded"})
 
@@ -176,8 +184,7 @@ def markdown(run: Run) -> str:
         f"load average at start {run.started_load[0]:.2f} / {run.started_load[1]:.2f} / "
         f"{run.started_load[2]:.2f} (1/5/15 min). Target {s.target_model}, fp32, greedy, "
         f"at most {s.max_tokens} new tokens per request. Model draft: {run.draft or '-'}. "
-        f"Workloads: {s.prompts} input-grounded prompts, the first {s.humaneval} HumanEval "
-        f"problems. SpecSplit rows: `specsplit serve` per row, workers with "
+        f"Workloads: {workloads(s)}. SpecSplit rows: `specsplit serve` per row, workers with "
         f"{s.worker_threads or 'the default number of'} torch thread(s), streamed over HTTP "
         f"with httpx. The run took {run.seconds / 60:.1f} min.",
         "",
