@@ -91,13 +91,8 @@ class BenchSettings(BaseSettings):
 
 
 def serve_configs(s: BenchSettings) -> dict[str, ServeConfig]:
-    nd, nb, md, mb, mk = (
-        s.ngram_depth,
-        s.ngram_budget,
-        s.model_depth,
-        s.model_budget,
-        s.model_branching,
-    )
+    nd, nb = s.ngram_depth, s.ngram_budget
+    md, mk, mb = s.model_depth, s.model_branching, s.model_budget
     configs = [
         ServeConfig("off", "none"),
         ServeConfig("ngram-chain", "ngram", nb, 1, nb),

@@ -10,6 +10,7 @@ tree verification and level-by-level draft expansion are the same call.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -103,9 +104,8 @@ class Engine:
         """Runs one forward over several slots; returns logits (logits_for_b, V) per row."""
         batch = self.batch(rows)
         hidden = self.model.hidden(self.cache, batch)  # (N, E)
-        ends = torch.tensor(batch.lengths).cumsum(0).tolist()
         picked = torch.cat(
-            [hidden[end - r.logits_for : end] for end, r in zip(ends, rows, strict=True)]
+            [hidden[end - r.logits_for : end] for end, r in zip(batch.ends, rows, strict=True)]
         )  # (sum logits_for, E)
         logits = self.model.logits(picked)  # (sum logits_for, V)
         return list(logits.split([r.logits_for for r in rows]))
@@ -115,7 +115,7 @@ class Engine:
         if max(widths) > (room := self.cache.max_seq_len):
             raise ValueError(f"sequence of {max(widths)} tokens exceeds the cache ({room} tokens)")
         lengths = [len(r.tokens) for r in rows]  # T_b
-        starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]  # row b's tokens: starts[b]:[b+1]
+        starts = [0, *accumulate(lengths)]  # row b's tokens: starts[b] to starts[b + 1]
         positions, masks = [], []
         for r in rows:
             n, u = len(r.tokens), len(r.parents)
@@ -153,7 +153,7 @@ class Engine:
             ),
             token_columns=torch.cat(columns).to(self.device),
             groups=groups,
-            lengths=lengths,
+            ends=starts[1:],
         )
 
     def commit(self, slot: int, prefix_len: int, keep: list[int]) -> None:

@@ -71,7 +71,8 @@ class LlamaShape:
 class RowGroup:
     """Rows of a batch with the same number of new tokens T: one attention call."""
 
-    tokens: torch.Tensor | None  # (G * T,) long: their tokens among the N, row after row; None: all
+    # (G * T,) long: their tokens among the N, row after row; None: the group is every row
+    tokens: torch.Tensor | None
     slots: torch.Tensor  # (G,) long: their cache slots
     new: int  # T: new tokens per row
     width: int  # L: cache entries their attention reads
@@ -95,7 +96,7 @@ class ForwardBatch:
     token_slots: torch.Tensor  # (N,) long: the cache slot of each token
     token_columns: torch.Tensor  # (N,) long: the cache column each token's key/value goes to
     groups: list[RowGroup]
-    lengths: list[int]  # T_b: new tokens per row
+    ends: list[int]  # (B,): where each row's tokens end among the N
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -161,20 +162,23 @@ class Block(nn.Module):
         v = self.v_proj(x).view(n, s.num_kv_heads, s.head_dim)  # (N, Hkv, D)
         q = q * cos + rotate_half(q) * sin
         cache.write(self.index, batch, k * cos + rotate_half(k) * sin, v)
-        out = q if len(batch.groups) == 1 else torch.empty_like(q)  # (N, H, D)
-        for g in batch.groups:
-            keys, values = cache.read(self.index, g)  # (G, Hkv, L, D) each
-            rows = q if g.tokens is None else q[g.tokens]  # (G * T, H, D)
-            rows = rows.view(len(g.slots), g.new, s.num_heads, s.head_dim).transpose(1, 2)
-            attended = F.scaled_dot_product_attention(
-                rows, keys, values, attn_mask=g.mask, enable_gqa=True
-            )  # (G, H, T, D)
-            attended = attended.transpose(1, 2).reshape(-1, s.num_heads, s.head_dim)
-            if g.tokens is None:
-                out = attended
-            else:
-                out[g.tokens] = attended
+        if len(batch.groups) == 1:  # every row feeds as many tokens: attend to all at once
+            out = self.attend(q, cache, batch.groups[0])  # (N, H, D)
+        else:
+            out = torch.empty_like(q)  # (N, H, D)
+            for g in batch.groups:
+                out[g.tokens] = self.attend(q[g.tokens], cache, g)
         return self.o_proj(out.reshape(n, s.num_heads * s.head_dim))
+
+    def attend(self, q: torch.Tensor, cache: SlotKVCache, g: RowGroup) -> torch.Tensor:
+        # q: (G * T, H, D), the group's queries row after row -> (G * T, H, D)
+        s = self.shape
+        keys, values = cache.read(self.index, g)  # (G, Hkv, L, D) each
+        q = q.view(len(g.slots), g.new, s.num_heads, s.head_dim).transpose(1, 2)  # (G, H, T, D)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=g.mask, enable_gqa=True
+        )  # (G, H, T, D)
+        return out.transpose(1, 2).reshape(-1, s.num_heads, s.head_dim)
 
     def forward(self, x, cos, sin, cache: SlotKVCache, batch: ForwardBatch):
         # x: (N, E) -> (N, E)
