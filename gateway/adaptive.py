@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from workers.draft.runner import TreeSpec
+from workers.protocol import TreeSpec
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ import time
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.backend import BackendFactory
 from gateway.errors import APIError, install_error_handlers
 from gateway.metrics import Metrics
 from gateway.routes import ops, v1
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
+from workers.protocol import BackendFactory
 
 log = logging.getLogger("specsplit.gateway")
 

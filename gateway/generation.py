@@ -21,9 +21,8 @@ from gateway.metrics import Metrics
 from gateway.pool import Admission, Router
 from gateway.speculation import ChoicePlan, LoopOptions, SpecCounters, Speculation
 from gateway.text import Piece, TextStream
-from workers.draft.runner import TreeSpec
-from workers.spec.sampling import SamplingParams
-from workers.target.runner import TokenLogprob
+from workers.protocol import TokenLogprob, TreeSpec
+from workers.speculation.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -14,19 +14,19 @@ from dataclasses import fields
 
 import grpc
 
-from gateway.backend import (
+from workers.protocol import (
     InvalidCall,
+    ProposeCall,
     Role,
     SessionLost,
+    VerifyCall,
+    VerifyOutcome,
     WorkerBusy,
     WorkerDown,
     WorkerError,
     WorkerInfo,
 )
-from workers.draft.runner import ProposeCall
-from workers.engine.sessions import CapacityExhausted, SessionNotFound
-from workers.spec.tree import TokenTree
-from workers.target.runner import VerifyCall, VerifyOutcome
+from workers.speculation.tree import TokenTree
 
 STATUS_ERRORS = {
     grpc.StatusCode.NOT_FOUND: SessionLost,
@@ -39,9 +39,9 @@ def worker_error(error: BaseException) -> WorkerError:
     """The gateway's error for a failed call, whatever layer raised it."""
     if isinstance(error, WorkerError):
         return error
-    if isinstance(error, SessionNotFound):
+    if isinstance(error, SessionLost):
         return SessionLost(str(error))
-    if isinstance(error, CapacityExhausted):
+    if isinstance(error, WorkerBusy):
         return WorkerBusy(str(error))
     if isinstance(error, ValueError):  # the client's InvalidRequest
         return InvalidCall(str(error))

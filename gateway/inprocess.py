@@ -21,19 +21,22 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from gateway.backend import (
+from workers.draft.runner import ModelDrafter, NgramDrafter
+from workers.engine.sessions import SessionTable
+from workers.protocol import (
     Backend,
     InvalidCall,
+    ProposeCall,
     Role,
     SessionLost,
+    VerifyCall,
+    VerifyOutcome,
     WorkerBusy,
     WorkerDown,
     WorkerInfo,
 )
-from workers.draft.runner import ModelDrafter, NgramDrafter, ProposeCall
-from workers.engine.sessions import CapacityExhausted, SessionNotFound, SessionTable
-from workers.spec.tree import TokenTree
-from workers.target.runner import TargetRunner, VerifyCall, VerifyOutcome
+from workers.speculation.tree import TokenTree
+from workers.target.runner import TargetRunner
 
 T = TypeVar("T")
 
@@ -81,9 +84,9 @@ class InProcessWorker:
     @staticmethod
     def unwrap(result: T | Exception) -> T:
         """The runners return a bad call's exception in place of its result."""
-        if isinstance(result, SessionNotFound):
+        if isinstance(result, SessionLost):
             raise SessionLost(str(result))
-        if isinstance(result, CapacityExhausted):
+        if isinstance(result, WorkerBusy):
             raise WorkerBusy(str(result))
         if isinstance(result, ValueError):
             raise InvalidCall(str(result))

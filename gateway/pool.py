@@ -28,9 +28,9 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from gateway.backend import Backend, BackendFactory, Role, WorkerInfo
 from gateway.errors import APIError
 from gateway.metrics import Metrics
+from workers.protocol import Backend, BackendFactory, Role, WorkerInfo
 
 log = logging.getLogger("specsplit.gateway")
 

@@ -11,7 +11,7 @@ from gateway.errors import APIError, bad_request, unsupported
 from gateway.generation import GenerationRequest
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from gateway.settings import GatewayOptions
-from workers.spec.sampling import SamplingParams
+from workers.speculation.sampling import SamplingParams
 
 
 def message_text(message: ChatMessage, index: int) -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from gateway.errors import APIError
 from gateway.generation import Delta, Record
 from gateway.text import TokenText
-from workers.target.runner import TokenLogprob
+from workers.protocol import TokenLogprob
 
 log = logging.getLogger("specsplit.gateway")
 

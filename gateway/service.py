@@ -18,7 +18,6 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
-from gateway.backend import BackendFactory
 from gateway.errors import APIError
 from gateway.generation import GenerationRequest, Generator, Record
 from gateway.inprocess import InProcessFactory, local_ngram_draft
@@ -29,6 +28,7 @@ from gateway.responses import Format, sse
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.text import TokenText
+from workers.protocol import BackendFactory
 
 log = logging.getLogger("specsplit.gateway")
 

@@ -14,7 +14,7 @@ from pydantic_settings import BaseSettings
 
 from gateway.adaptive import AdaptiveConfig
 from gateway.speculation import LoopOptions
-from workers.draft.runner import TreeSpec
+from workers.protocol import TreeSpec
 from workers.settings import settings_config
 
 

@@ -35,16 +35,25 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, fields, replace
 
 from gateway.adaptive import Acceptance, AdaptiveConfig, adapt
-from gateway.backend import InvalidCall, Role, SessionLost, WorkerBusy, WorkerError
 from gateway.errors import APIError
 from gateway.metrics import Metrics
-from gateway.overlap import Lookahead, spine
+from gateway.overlap import Lookahead
 from gateway.pool import Router, Worker
-from workers.draft.runner import ProposeCall, TreeSpec
 from workers.engine.sessions import common_prefix
-from workers.spec.sampling import SamplingParams
-from workers.spec.tree import TokenTree, depths
-from workers.target.runner import TokenLogprob, VerifyCall, VerifyOutcome
+from workers.protocol import (
+    InvalidCall,
+    ProposeCall,
+    Role,
+    SessionLost,
+    TokenLogprob,
+    TreeSpec,
+    VerifyCall,
+    VerifyOutcome,
+    WorkerBusy,
+    WorkerError,
+)
+from workers.speculation.sampling import SamplingParams
+from workers.speculation.tree import TokenTree, depths, spine
 
 log = logging.getLogger("specsplit.gateway")
 

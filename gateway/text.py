@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from functools import cache
 
-from workers.target.runner import TokenLogprob
+from workers.protocol import TokenLogprob
 
 REPLACEMENT = "\ufffd"
 

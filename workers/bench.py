@@ -24,12 +24,13 @@ from pydantic_settings import BaseSettings
 
 from workers.benchmarks.workloads import TEXTS
 from workers.decoder import SpecDecoder, stop_token_ids
-from workers.draft.runner import NgramDrafter, TreeSpec
+from workers.draft.runner import NgramDrafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
 from workers.engine.text import encode_chat
+from workers.protocol import TreeSpec
 from workers.settings import parse, settings_config
-from workers.spec.sampling import SamplingParams
+from workers.speculation.sampling import SamplingParams
 from workers.target.runner import TargetRunner
 
 

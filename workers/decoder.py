@@ -13,12 +13,13 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from workers.draft.runner import ModelDrafter, NgramDrafter, ProposeCall, TreeSpec
+from workers.draft.runner import ModelDrafter, NgramDrafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
-from workers.spec.sampling import SamplingParams
-from workers.spec.tree import TokenTree
-from workers.target.runner import TargetRunner, VerifyCall
+from workers.protocol import ProposeCall, TreeSpec, VerifyCall
+from workers.speculation.sampling import SamplingParams
+from workers.speculation.tree import TokenTree
+from workers.target.runner import TargetRunner
 
 Drafter = ModelDrafter | NgramDrafter
 

@@ -9,10 +9,10 @@ from pydantic import Field
 from pydantic_settings import BaseSettings
 
 from workers.decoder import build_decoder
-from workers.draft.runner import TreeSpec
 from workers.engine.engine import EngineConfig
+from workers.protocol import TreeSpec
 from workers.settings import parse, settings_config
-from workers.spec.sampling import SamplingParams
+from workers.speculation.sampling import SamplingParams
 
 
 class GenerateSettings(BaseSettings):

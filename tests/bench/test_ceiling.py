@@ -3,8 +3,8 @@
 import torch
 
 from workers.benchmarks.ceiling import accepted, replay_tau
-from workers.spec.ngram import ngram_tree
-from workers.spec.tree import TokenTree
+from workers.speculation.ngram import ngram_tree
+from workers.speculation.tree import TokenTree
 
 
 def test_accepted_follows_the_matching_branch():

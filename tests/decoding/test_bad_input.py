@@ -11,9 +11,10 @@ from tests.engine.tiny import tiny_engine
 from workers.decoder import SpecDecoder
 from workers.draft.runner import NgramDrafter
 from workers.engine.sessions import SessionTable
-from workers.spec.sampling import SamplingParams
-from workers.spec.tree import TokenTree, TreeError
-from workers.target.runner import TargetRunner, VerifyCall
+from workers.protocol import VerifyCall
+from workers.speculation.sampling import SamplingParams
+from workers.speculation.tree import TokenTree, TreeError
+from workers.target.runner import TargetRunner
 
 GREEDY = SamplingParams()
 

@@ -5,11 +5,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from workers.decoder import SpecDecoder, stop_token_ids
-from workers.draft.runner import ModelDrafter, NgramDrafter, TreeSpec
+from workers.draft.runner import ModelDrafter, NgramDrafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
 from workers.engine.text import encode_chat
-from workers.spec.sampling import SamplingParams
+from workers.protocol import TreeSpec
+from workers.speculation.sampling import SamplingParams
 from workers.target.runner import TargetRunner
 
 pytestmark = pytest.mark.embedded

@@ -5,12 +5,13 @@ import torch
 
 from tests.engine.tiny import tiny_engine, tiny_hf_model
 from workers.decoder import SpecDecoder
-from workers.draft.runner import ModelDrafter, NgramDrafter, TreeSpec
+from workers.draft.runner import ModelDrafter, NgramDrafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
-from workers.spec.sampling import SamplingParams
-from workers.spec.tree import TokenTree
-from workers.target.runner import TargetRunner, VerifyCall
+from workers.protocol import TreeSpec, VerifyCall
+from workers.speculation.sampling import SamplingParams
+from workers.speculation.tree import TokenTree
+from workers.target.runner import TargetRunner
 
 GREEDY = SamplingParams()
 

@@ -9,10 +9,11 @@ from scipy.stats import chisquare
 
 from tests.engine.tiny import tiny_hf_model
 from workers.decoder import SpecDecoder
-from workers.draft.runner import ModelDrafter, TreeSpec
+from workers.draft.runner import ModelDrafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
-from workers.spec.sampling import SamplingParams, target_probs
+from workers.protocol import TreeSpec
+from workers.speculation.sampling import SamplingParams, target_probs
 from workers.target.runner import TargetRunner
 
 VOCAB = 6

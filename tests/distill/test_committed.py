@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from workers.decoder import SpecDecoder, stop_token_ids
-from workers.draft.runner import ModelDrafter, TreeSpec
+from workers.draft.runner import ModelDrafter
 from workers.engine.engine import Engine, EngineConfig, SlotInput
 from workers.engine.loader import ALIASES, load_tokenizer, resolve_model, tokenizer_fingerprint
 from workers.engine.sessions import SessionTable
 from workers.engine.text import encode_chat
-from workers.spec.sampling import SamplingParams
+from workers.protocol import TreeSpec
+from workers.speculation.sampling import SamplingParams
 from workers.target.runner import TargetRunner
 
 ALIAS = "smollm2-135m-draft"

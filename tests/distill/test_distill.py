@@ -18,10 +18,10 @@ from workers.distill import bench, prompts
 from workers.distill.data import load_batches
 from workers.distill.model import DraftTrainer
 from workers.distill.run import DistillSettings, distill
-from workers.draft.runner import TreeSpec
 from workers.engine.engine import EngineConfig
 from workers.engine.text import encode_chat
-from workers.spec.sampling import SamplingParams
+from workers.protocol import TreeSpec
+from workers.speculation.sampling import SamplingParams
 
 TINY = {  # a run of seconds: 1-layer draft, ~150 answer tokens, 4 steps
     "layers": "1",

@@ -13,7 +13,7 @@ from gateway.adaptive import (
     expected_tokens,
 )
 from tests.gateway.helpers import MODEL, live, model_draft, target
-from workers.draft.runner import TreeSpec
+from workers.protocol import TreeSpec
 
 CONFIG = AdaptiveConfig(knee_tokens=20.0, ewma=0.3, prior_rate=0.8, probe_every=4)
 SPEC = TreeSpec(depth=12, branching=2, budget=24)
@@ -104,7 +104,7 @@ def test_adaptive_trees_do_not_change_the_output(greedy_texts):
 def test_a_new_session_starts_from_the_recent_acceptance():
     from gateway.metrics import Metrics
     from gateway.speculation import ChoicePlan, LoopOptions, Speculation
-    from workers.spec.sampling import SamplingParams
+    from workers.speculation.sampling import SamplingParams
 
     class Router:
         def session_id(self, key, index):

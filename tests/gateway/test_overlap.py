@@ -8,12 +8,13 @@ import pytest
 import torch
 from openai import OpenAI
 
-from gateway.overlap import Lookahead, spine, subtree
+from gateway.overlap import Lookahead
 from tests.engine.tiny import tiny_engine
 from tests.gateway.helpers import MODEL, live, model_draft, target
-from workers.draft.runner import ModelDrafter, NgramDrafter, ProposeCall, TreeSpec
+from workers.draft.runner import ModelDrafter, NgramDrafter
 from workers.engine.sessions import SessionTable
-from workers.spec.tree import TokenTree
+from workers.protocol import ProposeCall, TreeSpec
+from workers.speculation.tree import TokenTree, spine, subtree
 
 
 def tree(tokens: list[int], parents: list[int], q: bool = False) -> TokenTree:

@@ -5,9 +5,9 @@ import asyncio
 from tests.decoding.test_greedy_lossless import perturbed_draft
 from tests.engine.tiny import tiny_engine
 from tests.workers.helpers import draft_worker, scrape, target_worker
-from workers.draft.runner import TreeSpec
+from workers.protocol import TreeSpec
 from workers.rpc.remote import RemoteDecoder
-from workers.spec.sampling import SamplingParams
+from workers.speculation.sampling import SamplingParams
 
 PROMPTS = [[(7 * i + 3 * j) % 96 for j in range(5 + i)] for i in range(8)]
 SPEC = TreeSpec(depth=3, branching=2, budget=6)

@@ -3,12 +3,11 @@
 import pytest
 import torch
 
-from workers.draft.runner import ProposeCall, TreeSpec
+from workers.protocol import ProposeCall, TokenLogprob, TreeSpec, VerifyCall, VerifyOutcome
 from workers.rpc import convert
 from workers.rpc.client import IncompatibleWorkers, check_pair
-from workers.spec.sampling import SamplingParams
-from workers.spec.tree import TokenTree, TreeError
-from workers.target.runner import TokenLogprob, VerifyCall, VerifyOutcome
+from workers.speculation.sampling import SamplingParams
+from workers.speculation.tree import TokenTree, TreeError
 
 
 def sampled_tree() -> TokenTree:

@@ -9,12 +9,10 @@ from tests.decoding.test_greedy_lossless import target_only
 from tests.engine.tiny import tiny_engine
 from tests.workers.helpers import draft_worker, scrape, target_worker
 from workers.decoder import Generation
-from workers.draft.runner import TreeSpec
-from workers.engine.sessions import SessionNotFound
+from workers.protocol import SessionLost, TreeSpec, VerifyCall
 from workers.rpc.remote import RemoteDecoder
-from workers.spec.sampling import SamplingParams
-from workers.spec.tree import TokenTree
-from workers.target.runner import VerifyCall
+from workers.speculation.sampling import SamplingParams
+from workers.speculation.tree import TokenTree
 
 PROMPTS = {"a": [5, 17, 3, 88, 41], "b": list(range(20, 29)), "c": [7] * 6}
 GREEDY = SamplingParams()
@@ -50,7 +48,7 @@ async def test_an_evicted_session_answers_not_found():
         for sid in "abc":  # c evicts a, the least recently used
             await target.prefill(sid, PROMPTS[sid], GREEDY)
         n = len(PROMPTS["a"]) + 1
-        with pytest.raises(SessionNotFound):
+        with pytest.raises(SessionLost):
             await target.verify(VerifyCall("a", n, [], TokenTree.empty(), GREEDY))
         stub = pb_grpc.TargetServiceStub(target.channel)  # the raw status code
         with pytest.raises(grpc.aio.AioRpcError) as caught:

@@ -12,9 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.engine.tiny import tiny_engine
 from tests.workers.helpers import scrape, target_worker
-from workers.draft.runner import ProposeCall, TreeSpec
+from workers.protocol import ProposeCall, TreeSpec
 from workers.rpc.client import DraftClient
-from workers.spec.sampling import SamplingParams
+from workers.speculation.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVING = health_pb2.HealthCheckResponse.SERVING

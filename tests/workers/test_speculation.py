@@ -6,11 +6,12 @@ from tests.decoding.test_greedy_lossless import PROMPTS, perturbed_draft, target
 from tests.engine.tiny import tiny_engine
 from tests.workers.helpers import draft_worker, target_worker
 from workers.decoder import SpecDecoder
-from workers.draft.runner import ModelDrafter, TreeSpec
+from workers.draft.runner import ModelDrafter
 from workers.engine.sessions import SessionTable
+from workers.protocol import TreeSpec
 from workers.rpc.client import check_pair
 from workers.rpc.remote import RemoteDecoder
-from workers.spec.sampling import SamplingParams
+from workers.speculation.sampling import SamplingParams
 from workers.target.runner import TargetRunner
 
 GREEDY = SamplingParams()

@@ -25,8 +25,8 @@ from pydantic_settings import BaseSettings
 
 from workers.benchmarks.workloads import messages
 from workers.settings import settings_config
-from workers.spec.ngram import ngram_tree
-from workers.spec.tree import TokenTree
+from workers.speculation.ngram import ngram_tree
+from workers.speculation.tree import TokenTree
 
 
 class CeilingSettings(BaseSettings):
@@ -82,10 +82,10 @@ ALL_MATCHES = {"max_ngram": 2, "depth": 16, "budget": 4096, "max_matches": 64}
 
 def greedy_texts(s: CeilingSettings) -> dict[str, list[tuple[list[int], list[int]]]]:
     from workers.decoder import build_decoder
-    from workers.draft.runner import TreeSpec
     from workers.engine.engine import EngineConfig
     from workers.engine.text import encode_chat
-    from workers.spec.sampling import SamplingParams
+    from workers.protocol import TreeSpec
+    from workers.speculation.sampling import SamplingParams
 
     decoder, engine = build_decoder(
         EngineConfig(model=s.target_model), "ngram", TreeSpec(depth=16, branching=2, budget=16)

@@ -26,12 +26,13 @@ from pydantic_settings import BaseSettings
 
 from workers.decoder import SpecDecoder, stop_token_ids
 from workers.distill import prompts
-from workers.draft.runner import ModelDrafter, NgramDrafter, TreeSpec
+from workers.draft.runner import ModelDrafter, NgramDrafter
 from workers.engine.engine import Engine, EngineConfig, SlotInput
 from workers.engine.sessions import SessionTable
 from workers.engine.text import encode_chat
+from workers.protocol import TreeSpec
 from workers.settings import parse, settings_config
-from workers.spec.sampling import SamplingParams
+from workers.speculation.sampling import SamplingParams
 from workers.target.runner import TargetRunner
 
 

@@ -18,52 +18,11 @@ import torch
 
 from workers.engine.engine import Engine, SlotInput
 from workers.engine.sessions import Session, SessionTable
-from workers.spec.ngram import ngram_tree
-from workers.spec.policy import (
-    DynamicTreePolicy,
-    StaticTreePolicy,
-    TreeBuilder,
-    TreePolicy,
-    choose_children,
-)
-from workers.spec.sampling import SamplingParams
-from workers.spec.tree import TokenTree
-from workers.target.runner import DRAFT_STREAM, check_tokens, round_generator
-
-
-@dataclass(frozen=True)
-class TreeSpec:
-    """How big a tree to propose."""
-
-    depth: int = 6  # most levels below the root
-    branching: int = 2  # children per expanded node; 1 = a chain
-    budget: int = 16  # most nodes in the tree
-    temperature: float = 0.0  # 0: deterministic top-k children; > 0: sampled children
-    seed: int | None = None  # makes sampled trees reproducible
-
-    def __post_init__(self):
-        if self.depth < 0 or self.branching < 1 or self.budget < 0:
-            raise ValueError(
-                f"tree depth {self.depth}, branching {self.branching} and budget "
-                f"{self.budget} must be >= 0, >= 1 and >= 0"
-            )
-
-    def policy(self) -> TreePolicy:
-        if self.branching == 1:
-            return StaticTreePolicy.chain(self.depth)
-        return DynamicTreePolicy(self.depth, self.branching, self.budget)
-
-    @property
-    def params(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, seed=self.seed)
-
-
-@dataclass(frozen=True)
-class ProposeCall:
-    session_id: str
-    base_len: int  # history length the caller believes the worker holds (0 = start over)
-    tokens: list[int]  # committed since then, or the full history when base_len == 0
-    spec: TreeSpec
+from workers.protocol import ProposeCall
+from workers.speculation.ngram import ngram_tree
+from workers.speculation.policy import TreeBuilder, TreePolicy, choose_children, tree_policy
+from workers.speculation.sampling import DRAFT_STREAM, round_generator
+from workers.speculation.tree import TokenTree, check_tokens
 
 
 @dataclass
@@ -116,7 +75,7 @@ class ModelDrafter:
         depth = min(spec.depth, self.engine.context_length - len(session.committed) - 1)
         if depth <= 0 or spec.budget == 0:
             return None
-        policy = TreeSpec(depth, spec.branching, spec.budget).policy()
+        policy = tree_policy(depth, spec.branching, spec.budget)
         generator = round_generator(spec.params, len(session.committed), DRAFT_STREAM)
         session.region_tokens = list(session.pending)
         session.region_parents = list(range(-1, len(session.pending) - 1))

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 
 from proto.specsplit.v1 import specsplit_pb2 as pb
 from proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from workers.draft.runner import ModelDrafter, NgramDrafter, ProposeCall, TreeSpec
+from workers.draft.runner import ModelDrafter, NgramDrafter
 from workers.engine.engine import Engine
 from workers.engine.sessions import SessionTable
+from workers.protocol import ProposeCall, TreeSpec
 from workers.rpc import convert
 from workers.rpc.batcher import ACTIVE_S, Batcher, EngineThread
 from workers.rpc.metrics import MeteredEngine, WorkerMetrics

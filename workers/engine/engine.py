@@ -18,7 +18,7 @@ import torch
 from workers.engine.kv_cache import SlotKVCache
 from workers.engine.llama import ForwardBatch, NativeLlama, RowGroup
 from workers.engine.packed import pack_linears
-from workers.spec.tree import depths, tree_mask
+from workers.speculation.tree import depths, tree_mask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

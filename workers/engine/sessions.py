@@ -6,7 +6,7 @@ believes the worker has (`base_len`) and the tokens committed since. A call
 with `base_len == 0` (re)starts the session from the full history, reusing
 the cached prefix it shares with what the slot held. Anything else that does
 not line up — an unknown, evicted or out-of-sync session — raises
-`SessionNotFound`, and the caller re-sends the history.
+`SessionLost`, and the caller re-sends the history.
 
 Slots are reclaimed by `end`, by `reap_idle` after an idle timeout, and by
 least-recently-used eviction when a new session needs a slot.
@@ -19,16 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-
-class SessionNotFound(KeyError):
-    """Unknown, evicted or out-of-sync session: re-send the full history."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "session not found"
-
-
-class CapacityExhausted(RuntimeError):
-    """Every slot is held by a session that is busy in the current batch."""
+from workers.protocol.errors import SessionLost, WorkerBusy
 
 
 @dataclass
@@ -71,7 +62,7 @@ class SessionTable:
     def get(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
         if session is None:
-            raise SessionNotFound(f"session {session_id!r} is not held by this worker")
+            raise SessionLost(f"session {session_id!r} is not held by this worker")
         return session
 
     def sync(
@@ -97,7 +88,7 @@ class SessionTable:
                 session.cached = base_len
                 session.region_tokens, session.region_parents, session.region_fed = [], [], 0
         if len(session.committed) != base_len:
-            raise SessionNotFound(
+            raise SessionLost(
                 f"session {session_id!r} holds {len(session.committed)} tokens, "
                 f"the caller expected {base_len}"
             )
@@ -127,7 +118,7 @@ class SessionTable:
                 self.end(victim.id)
                 self.evictions += 1
                 return self.free.pop(0)
-        raise CapacityExhausted(f"all {self.num_slots} session slots are busy")
+        raise WorkerBusy(f"all {self.num_slots} session slots are busy")
 
     def touch(self, session: Session) -> None:
         session.last_used = self.clock()

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from workers.rpc.convert import Timings
+from workers.protocol import Timings
 
 log = logging.getLogger(__name__)
 

@@ -26,14 +26,14 @@ import torch
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
-from workers.draft.runner import TreeSpec
 from workers.draft.service import serve_draft
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.text import encode
+from workers.protocol import TreeSpec
 from workers.rpc.client import DraftClient, TargetClient, Wire, check_pair
 from workers.rpc.remote import RemoteDecoder
 from workers.settings import parse, settings_config
-from workers.spec.sampling import SamplingParams
+from workers.speculation.sampling import SamplingParams
 from workers.target.service import serve_target
 from workers.worker import WorkerSettings
 

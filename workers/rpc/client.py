@@ -6,7 +6,7 @@
         outcome = (await target.verify(VerifyCall(sid, 0, prompt, tree, params))).outcome
 
 Failed calls raise what the worker's runner raised (see workers/rpc/errors.py):
-SessionNotFound (re-send the history with base_len 0), CapacityExhausted,
+SessionLost (re-send the history with base_len 0), WorkerBusy,
 InvalidRequest (a ValueError), or WorkerError for anything else (down,
 deadline, internal).
 """
@@ -20,13 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.specsplit.v1 import specsplit_pb2 as pb
 from proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from workers.draft.runner import ProposeCall
+from workers.protocol import ProposeCall, Timings, VerifyCall, VerifyOutcome, WorkerInfo
 from workers.rpc import convert
-from workers.rpc.convert import Timings, WorkerInfo
 from workers.rpc.errors import raise_for_status
-from workers.spec.sampling import SamplingParams
-from workers.spec.tree import TokenTree
-from workers.target.runner import VerifyCall, VerifyOutcome
+from workers.speculation.sampling import SamplingParams
+from workers.speculation.tree import TokenTree
 
 
 class IncompatibleWorkers(ValueError):

@@ -8,41 +8,22 @@ need the worker's model and stay in the runners.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from proto.specsplit.v1 import specsplit_pb2 as pb
-from workers.draft.runner import ProposeCall, TreeSpec
-from workers.spec.sampling import SamplingParams
-from workers.spec.tree import TokenTree, TreeError
-from workers.target.runner import TokenLogprob, VerifyCall, VerifyOutcome
+from workers.protocol import (
+    ProposeCall,
+    Timings,
+    TokenLogprob,
+    TreeSpec,
+    VerifyCall,
+    VerifyOutcome,
+    WorkerInfo,
+)
+from workers.speculation.sampling import SamplingParams
+from workers.speculation.tree import TokenTree, TreeError
 
 ROLES = {"draft": pb.ROLE_DRAFT, "target": pb.ROLE_TARGET}
-
-
-@dataclass(frozen=True)
-class Timings:
-    """Where one call's time went on the worker."""
-
-    queue_ns: int = 0  # arrival -> start of its batch
-    forward_ns: int = 0  # the batch's model work, shared by its calls
-    batch_size: int = 0  # calls in that batch
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """What a worker says about itself (InfoResponse)."""
-
-    role: str  # "draft" or "target"
-    model_id: str  # alias, directory, HF id, or "ngram"
-    tokenizer_fingerprint: str  # pairs draft and target; "" = model-free drafter
-    vocab_size: int  # token ids are in [0, vocab_size); 0 = unknown
-    context_length: int  # most tokens one session holds; 0 = unlimited
-    max_sessions: int  # sessions held at once
-    live_sessions: int  # sessions held now
-    eos_token_ids: tuple[int, ...]  # tokens that end a generation
-    max_tree_nodes: int  # most nodes in one tree
 
 
 # -- trees and parameters ------------------------------------------------------------------

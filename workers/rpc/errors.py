@@ -4,7 +4,7 @@ Server side, `ErrorInterceptor` wraps every SpecSplit method: the service code
 raises the runner's own exceptions and the interceptor turns them into a
 status (logging the unexpected ones), counts the call, and tracks in-flight
 calls for graceful shutdown. Client side, `raise_for_status` turns the status
-back into the same exceptions, so a caller writes `except SessionNotFound:`
+back into the same exceptions, so a caller writes `except SessionLost:`
 whether the runner is in-process or behind gRPC.
 """
 
@@ -16,16 +16,16 @@ from collections.abc import Callable
 
 import grpc
 
-from workers.engine.sessions import CapacityExhausted, SessionNotFound
+from workers.protocol import SessionLost, WorkerBusy
 
 log = logging.getLogger(__name__)
 
 SERVICE_PREFIX = "/specsplit.v1."  # methods of this package are wrapped; health is not
 
-# first match wins: TreeError is a ValueError, SessionNotFound a KeyError
+# first match wins: TreeError is a ValueError, SessionLost a KeyError
 STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (SessionNotFound, grpc.StatusCode.NOT_FOUND),
-    (CapacityExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (SessionLost, grpc.StatusCode.NOT_FOUND),
+    (WorkerBusy, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 ]
 
@@ -59,9 +59,9 @@ def raise_for_status(error: grpc.aio.AioRpcError) -> None:
     """Re-raises a failed call as the exception the worker raised (see STATUS_OF)."""
     code, details = error.code(), error.details() or ""
     if code == grpc.StatusCode.NOT_FOUND:
-        raise SessionNotFound(details) from error
+        raise SessionLost(details) from error
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        raise CapacityExhausted(details) from error
+        raise WorkerBusy(details) from error
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         raise InvalidRequest(details) from error
     raise WorkerError(code, details) from error

@@ -18,13 +18,11 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from workers.decoder import Generation
-from workers.draft.runner import ProposeCall, TreeSpec
-from workers.engine.sessions import CapacityExhausted, SessionNotFound
+from workers.protocol import ProposeCall, SessionLost, TreeSpec, VerifyCall, WorkerBusy
 from workers.rpc.client import DraftClient, TargetClient
 from workers.rpc.errors import WorkerError
-from workers.spec.sampling import SamplingParams
-from workers.spec.tree import TokenTree
-from workers.target.runner import VerifyCall
+from workers.speculation.sampling import SamplingParams
+from workers.speculation.tree import TokenTree
 
 T = TypeVar("T")
 
@@ -40,7 +38,7 @@ class Synced:
         """make(base_len, tokens) performs the call; on NOT_FOUND it is redone from scratch."""
         try:
             result = await make(self.held, history[self.held :])
-        except SessionNotFound:
+        except SessionLost:
             if self.held == 0:
                 raise
             self.resyncs += 1
@@ -125,7 +123,7 @@ class RemoteDecoder:
             self.resyncs += draft_side.resyncs + target_side.resyncs
             for client in (self.target, self.draft):
                 if client is not None:
-                    with contextlib.suppress(SessionNotFound, CapacityExhausted, WorkerError):
+                    with contextlib.suppress(SessionLost, WorkerBusy, WorkerError):
                         await client.end_session(sid)
 
     async def generate(

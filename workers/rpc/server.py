@@ -22,8 +22,8 @@ from grpc_health.v1.health import aio as health_aio
 
 from workers.engine.engine import Engine
 from workers.engine.sessions import SessionTable
+from workers.protocol import WorkerInfo
 from workers.rpc.batcher import Batcher, EngineThread
-from workers.rpc.convert import WorkerInfo
 from workers.rpc.errors import ErrorInterceptor
 from workers.rpc.metrics import WorkerMetrics
 

@@ -16,34 +16,10 @@ import torch
 
 from workers.engine.engine import Engine, SlotInput
 from workers.engine.sessions import Session, SessionTable
-from workers.spec.sampling import SamplingParams, make_generator
-from workers.spec.tree import TokenTree, depths, validate_tree
-from workers.spec.verify import verify
-
-
-@dataclass(frozen=True)
-class VerifyCall:
-    session_id: str
-    base_len: int  # history length the caller believes the worker holds (0 = start over)
-    tokens: list[int]  # committed since then, or the full history when base_len == 0
-    tree: TokenTree  # the draft's proposal after those tokens (may be empty)
-    params: SamplingParams
-    num_logprobs: int = -1  # -1: no logprobs; n >= 0: logprob of each emitted token + top n
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]  # the n most likely tokens at that position
-
-
-@dataclass(frozen=True)
-class VerifyOutcome:
-    accepted: list[int]  # accepted node indices, root to deepest
-    emitted: list[int]  # the accepted nodes' tokens, then the bonus token
-    logprobs: list[TokenLogprob] | None  # one per emitted token, when asked
-    prefix_hit: int  # cached tokens reused when the session (re)started
+from workers.protocol import TokenLogprob, VerifyCall, VerifyOutcome
+from workers.speculation.sampling import TARGET_STREAM, round_generator
+from workers.speculation.tree import TokenTree, check_tokens, depths, validate_tree
+from workers.speculation.verify import verify
 
 
 @dataclass(frozen=True)
@@ -52,29 +28,6 @@ class Prepared:
     session: Session
     row: SlotInput
     prefix_hit: int
-
-
-DRAFT_STREAM, TARGET_STREAM = 1, 2  # independent random streams of one round
-
-
-def round_generator(params: SamplingParams, position: int, stream: int) -> torch.Generator | None:
-    """A generator for one round, derived from (seed, position, stream) so that a
-    replayed session (failover, eviction) draws the same numbers at the same place.
-
-    Draft and target must draw from different streams: if the draft's samples
-    and the target's acceptance tests shared random numbers they would be
-    correlated, and verification would no longer be lossless."""
-    if params.greedy:
-        return None
-    if params.seed is None:
-        return make_generator(None)
-    return make_generator((params.seed * 1_000_003 + position * 4 + stream) % (2**63))
-
-
-def check_tokens(tokens: list[int], vocab_size: int) -> None:
-    bad = [t for t in tokens if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
 def region(pending: list[int], tree: TokenTree) -> tuple[list[int], list[int]]:

@@ -15,11 +15,12 @@ from proto.specsplit.v1 import specsplit_pb2 as pb
 from proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from workers.engine.engine import Engine
 from workers.engine.sessions import SessionTable
+from workers.protocol import VerifyCall
 from workers.rpc import convert
 from workers.rpc.batcher import ACTIVE_S, Batcher, EngineThread
 from workers.rpc.metrics import MeteredEngine, WorkerMetrics
 from workers.rpc.server import WorkerServer, engine_info
-from workers.target.runner import TargetRunner, VerifyCall
+from workers.target.runner import TargetRunner
 
 if TYPE_CHECKING:
     from workers.worker import WorkerSettings

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from workers.spec import (
+from workers.speculation import (
     SamplingParams,
     TokenTree,
     TreeBuilder,

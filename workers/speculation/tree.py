@@ -246,3 +246,50 @@ def leaf_paths(parents: torch.Tensor) -> list[list[int]]:
             paths.append(path)
         stack.extend(path + [c] for c in reversed(below))
     return paths
+
+
+def check_tokens(tokens: Sequence[int], vocab_size: int) -> None:
+    """Raises ValueError unless every id is in [0, vocab_size)."""
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+def spine(tree: TokenTree) -> list[int]:
+    """Tokens along the tree's first-child path from the root (the draft's best path)."""
+    tokens, out, at = tree.tokens.tolist(), [], -1
+    for i, parent in enumerate(tree.parents.tolist()):
+        if parent == at:  # the first child of `at` (children come after their parent)
+            out.append(tokens[i])
+            at = i
+    return out
+
+
+def subtree(tree: TokenTree, path: Sequence[int], budget: int) -> TokenTree | None:
+    """The nodes below the node reached by `path` (tokens from the root), as a tree.
+
+    At most `budget` nodes, kept in the original order (topological, elder
+    siblings first), so the kept set stays closed under ancestors and elder
+    siblings. None when `path` is not in the tree or nothing lies below it.
+    """
+    parents = tree.parents.tolist()
+    tokens = tree.tokens.tolist()
+    at: int | None = -1
+    for token in path:
+        children = (i for i in range(at + 1, len(parents)) if parents[i] == at)
+        at = next((i for i in children if tokens[i] == token), None)
+        if at is None:
+            return None
+    new_index = {at: -1}  # the reached node becomes the new root
+    kept: list[int] = []
+    for i in range(at + 1, len(parents)):
+        if parents[i] in new_index and len(kept) < budget:
+            new_index[i] = len(kept)
+            kept.append(i)
+    if not kept:
+        return None
+    index = torch.tensor(kept, dtype=torch.long)  # (M,)
+    new_parents = torch.tensor([new_index[parents[i]] for i in kept], dtype=torch.long)  # (M,)
+    q_tokens = tree.q_tokens[index] if tree.q_tokens is not None else None  # (M, K)
+    q_probs = tree.q_probs[index] if tree.q_probs is not None else None  # (M, K)
+    return TokenTree(tree.tokens[index], new_parents, q_tokens, q_probs)

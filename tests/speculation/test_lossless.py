@@ -25,8 +25,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from tests.spec.helpers import run_policy
-from workers.spec import (
+from tests.speculation.helpers import run_policy
+from workers.speculation import (
     DynamicTreePolicy,
     SamplingParams,
     StaticTreePolicy,
@@ -41,7 +41,7 @@ from workers.spec import (
 )
 
 # the package re-exports the function `verify`, which shadows the submodule's attribute
-verify_module = importlib.import_module("workers.spec.verify")
+verify_module = importlib.import_module("workers.speculation.verify")
 
 V = 5  # vocabulary
 ROOT = 2  # the last committed token

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.spec.sampling import SamplingParams, sample, target_probs, uniform
-from workers.spec.tree import TokenTree, children, leaf_paths, validate_tree
+from workers.speculation.sampling import SamplingParams, sample, target_probs, uniform
+from workers.speculation.tree import TokenTree, children, leaf_paths, validate_tree
 
 # A residual with less mass than this is float noise around "p == q"; a
 # rejection there has probability below it, so the fallback changes nothing

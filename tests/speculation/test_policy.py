@@ -8,8 +8,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from tests.spec.helpers import run_policy
-from workers.spec import (
+from tests.speculation.helpers import run_policy
+from workers.speculation import (
     DEFAULT_TREE,
     DynamicTreePolicy,
     SamplingParams,

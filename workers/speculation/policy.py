@@ -30,8 +30,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from workers.spec.sampling import SamplingParams, uniform
-from workers.spec.tree import TokenTree
+from workers.speculation.sampling import SamplingParams, uniform
+from workers.speculation.tree import TokenTree
 
 # Sampled children are drawn from the draft's top-K tokens, K = max(k, DRAFT_TOP_K):
 # the tail beyond that rarely gets accepted, and the q rows stay small.
@@ -246,7 +246,7 @@ class TreeBuilder:
         verification treats node i's token as a draw from its q row, but if
         the decision to keep i looked at that token (as EAGLE-2's cumulative
         log-prob does), the kept token is a draw from q *conditioned on being
-        kept*, and the output is biased (tests/spec/test_lossless.py measures
+        kept*, and the output is biased (tests/speculation/test_lossless.py measures
         this). The "verification tries it" score depends only on ancestors and
         elder siblings and is already non-increasing (a child's first slot is
         cum_logp(node) <= the node's own score, since the node and its elders
@@ -406,3 +406,10 @@ class DynamicTreePolicy(TreePolicy):
 
     def build(self, builder: TreeBuilder) -> TokenTree:
         return builder.build(self.budget)
+
+
+def tree_policy(depth: int, branching: int, budget: int) -> TreePolicy:
+    """A chain of `depth` for branching 1, else a dynamic tree of at most `budget` nodes."""
+    if branching == 1:
+        return StaticTreePolicy.chain(depth)
+    return DynamicTreePolicy(depth, branching, budget)

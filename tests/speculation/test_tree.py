@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.spec.helpers import random_tree
-from workers.spec import (
+from tests.speculation.helpers import random_tree
+from workers.speculation import (
     TokenTree,
     TreeError,
     children,

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from workers.spec import children, depths, ngram_tree
+from workers.speculation import children, depths, ngram_tree
 
 
 def as_lists(tree) -> tuple[list[int], list[int]]:

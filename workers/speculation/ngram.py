@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from workers.spec.tree import TokenTree
+from workers.speculation.tree import TokenTree
 
 RECENCY_DECAY = 0.7  # vote of a match relative to the next more recent one
 COPY_PROB = 0.8  # chance that a copied run goes on for one more token

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.spec.helpers import random_tree
-from workers.spec import (
+from tests.speculation.helpers import random_tree
+from workers.speculation import (
     SamplingParams,
     TokenTree,
     TreeError,
@@ -106,7 +106,7 @@ def test_draft_equal_to_target_always_accepts_and_never_nans():
 def test_residual_fallback_is_finite():
     from importlib import import_module
 
-    residual = import_module("workers.spec.verify")._residual
+    residual = import_module("workers.speculation.verify")._residual
     p = torch.tensor([0.7, 0.3, 0.0])
     out = residual(p, p.clone(), rejected=[0])  # max(0, p - q) == 0
     assert torch.equal(out, torch.tensor([0.0, 1.0, 0.0]))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.spec import ngram_tree
+from workers.speculation import ngram_tree
 
 
 def test_chain_is_the_best_path_of_the_tree():

@@ -2,13 +2,13 @@
 
 Pure functions and small value types; no models, no I/O, no globals.
 
-Note: ``workers.spec.verify`` the attribute is the function re-exported here,
+Note: ``workers.speculation.verify`` the attribute is the function re-exported here,
 not the submodule; reach the module with ``importlib.import_module``
-("workers.spec.verify") or import names from it directly.
+("workers.speculation.verify") or import names from it directly.
 """
 
-from workers.spec.ngram import ngram_tree
-from workers.spec.policy import (
+from workers.speculation.ngram import ngram_tree
+from workers.speculation.policy import (
     DEFAULT_TREE,
     DRAFT_TOP_K,
     DynamicTreePolicy,
@@ -17,8 +17,8 @@ from workers.spec.policy import (
     TreePolicy,
     choose_children,
 )
-from workers.spec.sampling import SamplingParams, make_generator, sample, target_probs
-from workers.spec.tree import (
+from workers.speculation.sampling import SamplingParams, make_generator, sample, target_probs
+from workers.speculation.tree import (
     TokenTree,
     TreeError,
     children,
@@ -28,7 +28,7 @@ from workers.spec.tree import (
     tree_mask,
     validate_tree,
 )
-from workers.spec.verify import Verdict, greedy_verify, stochastic_verify, verify
+from workers.speculation.verify import Verdict, greedy_verify, stochastic_verify, verify
 
 __all__ = [
     "DEFAULT_TREE",

@@ -113,3 +113,20 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     if i >= p.shape[0]:  # x rounded up to the total: take the last token with mass
         i = int((p > 0).nonzero()[-1])
     return i
+
+
+DRAFT_STREAM, TARGET_STREAM = 1, 2  # independent random streams of one round
+
+
+def round_generator(params: SamplingParams, position: int, stream: int) -> torch.Generator | None:
+    """A generator for one round, derived from (seed, position, stream) so that a
+    replayed session (failover, eviction) draws the same numbers at the same place.
+
+    Draft and target must draw from different streams: if the draft's samples
+    and the target's acceptance tests shared random numbers they would be
+    correlated, and verification would no longer be lossless."""
+    if params.greedy:
+        return None
+    if params.seed is None:
+        return make_generator(None)
+    return make_generator((params.seed * 1_000_003 + position * 4 + stream) % (2**63))

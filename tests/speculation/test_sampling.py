@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from workers.spec import SamplingParams, make_generator, sample, target_probs
+from workers.speculation import SamplingParams, make_generator, sample, target_probs
 
 
 def reference_probs(logits: list[float], params: SamplingParams) -> list[float]:

@@ -1,0 +1,99 @@
+"""The calls a session makes of its workers and what they answer.
+
+Each call names the session, the history length the caller believes the
+worker holds (`base_len`, 0 = start over from the full history) and the
+tokens committed since. The gateway owns the truth; a worker only caches it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.speculation.sampling import SamplingParams
+from workers.speculation.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """How big a tree to propose."""
+
+    depth: int = 6  # most levels below the root
+    branching: int = 2  # children per expanded node; 1 = a chain
+    budget: int = 16  # most nodes in the tree
+    temperature: float = 0.0  # 0: deterministic top-k children; > 0: sampled children
+    seed: int | None = None  # makes sampled trees reproducible
+
+    def __post_init__(self):
+        if self.depth < 0 or self.branching < 1 or self.budget < 0:
+            raise ValueError(
+                f"tree depth {self.depth}, branching {self.branching} and budget "
+                f"{self.budget} must be >= 0, >= 1 and >= 0"
+            )
+
+    @property
+    def params(self) -> SamplingParams:
+        """How the draft draws children (validates the temperature)."""
+        return SamplingParams(temperature=self.temperature, seed=self.seed)
+
+
+@dataclass(frozen=True)
+class ProposeCall:
+    session_id: str
+    base_len: int  # history length the caller believes the worker holds (0 = start over)
+    tokens: list[int]  # committed since then, or the full history when base_len == 0
+    spec: TreeSpec
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    session_id: str
+    base_len: int  # history length the caller believes the worker holds (0 = start over)
+    tokens: list[int]  # committed since then, or the full history when base_len == 0
+    tree: TokenTree  # the draft's proposal after those tokens (may be empty)
+    params: SamplingParams
+    num_logprobs: int = -1  # -1: no logprobs; n >= 0: logprob of each emitted token + top n
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the n most likely tokens at that position
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Where one call's time went on the worker."""
+
+    queue_ns: int = 0  # arrival -> start of its batch
+    forward_ns: int = 0  # the batch's model work, shared by its calls
+    batch_size: int = 0  # calls in that batch
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    accepted: list[int]  # accepted node indices, root to deepest
+    emitted: list[int]  # the accepted nodes' tokens, then the bonus token
+    logprobs: list[TokenLogprob] | None  # one per emitted token, when asked
+    prefix_hit: int  # cached tokens reused when the session (re)started
+    timings: Timings = field(default_factory=Timings)  # filled in by a served worker
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker says about itself (the Info call)."""
+
+    role: str  # "draft" or "target"
+    model_id: str  # alias, directory or HF id; "ngram" for the model-free drafter
+    tokenizer_fingerprint: str  # pairs draft and target; "" = model-free drafter, pairs with any
+    vocab_size: int  # token ids are in [0, vocab_size); 0 = unknown (model-free)
+    context_length: int  # most tokens per session; 0 = unlimited
+    max_sessions: int  # sessions held at once; 0 = unlimited
+    live_sessions: int = 0  # sessions held now
+    eos_token_ids: tuple[int, ...] = ()  # tokens that end a generation
+    max_tree_nodes: int = 0  # most draft nodes per tree; 0 = no limit stated
+
+    def pairs_with(self, fingerprint: str) -> bool:
+        """Whether this worker's token ids mean the same as a tokenizer's with `fingerprint`."""
+        mine = self.tokenizer_fingerprint
+        return not mine or not fingerprint or mine == fingerprint
