@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from gateway.adaptive import Acceptance, AdaptiveConfig
 from gateway.metrics import Metrics
 from gateway.pool import Admission, Router
-from gateway.speculation import ChoicePlan, LoopOptions, SpecCounters, Speculation
+from gateway.speculation import LoopOptions, Speculation
 from gateway.text import Piece, TextStream
+from workers.loop import Counters, Plan
 from workers.protocol import TokenLogprob, TreeSpec
 from workers.speculation.sampling import SamplingParams
 
@@ -43,7 +44,7 @@ class GenerationRequest:
     def choices(self) -> int:
         return len(self.prompts) * self.n
 
-    def plan(self, index: int) -> ChoicePlan:
+    def plan(self, index: int) -> Plan:
         """Choice `index` = prompt index * n + j; seeded choices get seeds seed + index."""
         prompt = index // self.n
         params = self.params
@@ -51,14 +52,13 @@ class GenerationRequest:
             params = SamplingParams(
                 params.temperature, params.top_p, params.top_k, params.seed + index
             )
-        return ChoicePlan(
+        return Plan(
             self.prompts[prompt],
             self.max_tokens[prompt],
             params,
             self.spec,
             self.stop_ids,
             self.num_logprobs,
-            self.affinity,
         )
 
 
@@ -80,7 +80,7 @@ class Record:
     arrived: float = field(default_factory=time.perf_counter)
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    counters: SpecCounters = field(default_factory=SpecCounters)
+    counters: Counters = field(default_factory=Counters)
     first_token_at: float | None = None
 
     @property
@@ -123,7 +123,13 @@ class Generator:
         self, index: int, request: GenerationRequest, record: Record
     ) -> AsyncIterator[Delta]:
         speculation = Speculation(
-            self.router, request.plan(index), self.metrics, index, self.options, self.recent
+            self.router,
+            request.plan(index),
+            self.metrics,
+            request.affinity,
+            index,
+            self.options,
+            self.recent,
         )
         text = TextStream(self.tokenizer, request.stop)
         last_round: float | None = None

@@ -54,6 +54,11 @@ class Worker:
         return self.up and self.compatible
 
     @property
+    def max_tree_nodes(self) -> int:
+        """Most nodes it verifies in one tree; 0 = no limit stated (or not known yet)."""
+        return self.info.max_tree_nodes if self.info else 0
+
+    @property
     def capacity(self) -> float:
         sessions = self.info.max_sessions if self.info else 0
         return sessions if sessions > 0 else math.inf

@@ -20,7 +20,6 @@ from starlette.background import BackgroundTask
 
 from gateway.errors import APIError
 from gateway.generation import GenerationRequest, Generator, Record
-from gateway.inprocess import InProcessFactory, local_ngram_draft
 from gateway.metrics import Metrics
 from gateway.pool import Pool, Router, split_addresses
 from gateway.prompts import chat_prompt, completion_prompts, generation_request
@@ -28,6 +27,7 @@ from gateway.responses import Format, sse
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.text import TokenText
+from workers.loop.inprocess import InProcessFactory, local_ngram_draft
 from workers.protocol import BackendFactory
 
 log = logging.getLogger("specsplit.gateway")

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tests.engine.tiny import tiny_engine
-from workers.decoder import SpecDecoder
 from workers.draft.runner import NgramDrafter
 from workers.engine.sessions import SessionTable
+from workers.loop.inprocess import LocalDecoder
 from workers.protocol import VerifyCall
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree, TreeError
@@ -26,7 +26,7 @@ def runner():
 
 def test_empty_prompt(runner):
     with pytest.raises(ValueError, match="empty"):
-        SpecDecoder(runner, NgramDrafter(SessionTable(2))).generate([], 4, GREEDY)
+        LocalDecoder(runner, NgramDrafter(SessionTable(2))).generate([], 4, GREEDY)
 
 
 def test_prompt_beyond_context(runner):

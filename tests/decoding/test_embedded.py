@@ -4,11 +4,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from workers.decoder import SpecDecoder, stop_token_ids
 from workers.draft.runner import ModelDrafter, NgramDrafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
-from workers.engine.text import encode_chat
+from workers.engine.text import encode_chat, stop_token_ids
+from workers.loop.inprocess import LocalDecoder
 from workers.protocol import TreeSpec
 from workers.speculation.sampling import SamplingParams
 from workers.target.runner import TargetRunner
@@ -38,7 +38,7 @@ def target(embedded_hf, embedded_tokenizer):
 def target_only(target, prompts):
     """Target-only greedy up to N tokens or the end-of-sequence token."""
     stops = stop_token_ids(target.tokenizer)
-    decoder = SpecDecoder(TargetRunner(target, SessionTable(2)), None, stop_ids=stops)
+    decoder = LocalDecoder(TargetRunner(target, SessionTable(2)), None, stop_ids=stops)
     return [decoder.generate(p, N, SamplingParams()).token_ids for p in prompts]
 
 
@@ -52,7 +52,7 @@ def test_native_greedy_equals_transformers_generate(embedded_hf, prompts, target
 
 @pytest.mark.parametrize("tree", [TreeSpec(depth=6, budget=16), TreeSpec(depth=6, branching=1)])
 def test_ngram_draft_equals_target_greedy(target, prompts, target_only, tree):
-    decoder = SpecDecoder(
+    decoder = LocalDecoder(
         TargetRunner(target, SessionTable(2)), NgramDrafter(SessionTable(4)), tree
     )
     for prompt, expected in zip(prompts, target_only, strict=True):
@@ -68,7 +68,7 @@ def test_model_draft_equals_target_greedy(
         embedded_model_dir, dtype=torch.float32, num_hidden_layers=8
     ).eval()
     draft = Engine.from_hf(shallow, embedded_tokenizer, EngineConfig(max_sessions=2), "shallow")
-    decoder = SpecDecoder(
+    decoder = LocalDecoder(
         TargetRunner(target, SessionTable(2)),
         ModelDrafter(draft, SessionTable(2)),
         TreeSpec(depth=4, branching=2, budget=8),
@@ -84,7 +84,7 @@ def test_model_draft_equals_target_greedy(
 
 def test_stop_token_ends_generation(target, embedded_tokenizer, prompts):
     stops = stop_token_ids(embedded_tokenizer)
-    decoder = SpecDecoder(
+    decoder = LocalDecoder(
         TargetRunner(target, SessionTable(2)), NgramDrafter(SessionTable(4)), stop_ids=stops
     )
     gen = decoder.generate(prompts[2], 400, SamplingParams())

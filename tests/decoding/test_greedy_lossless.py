@@ -1,13 +1,19 @@
-"""Speculative greedy output equals target-only greedy output, token for token."""
+"""Speculative greedy output equals target-only greedy output, token for token, through the
+one loop the gateway runs, with in-process backends and with real gRPC workers."""
+
+import asyncio
+import uuid
 
 import pytest
 import torch
 
+from tests.decoding.pairs import NGRAM, TRANSPORTS, pair, run
 from tests.engine.tiny import tiny_engine, tiny_hf_model
-from workers.decoder import SpecDecoder
 from workers.draft.runner import ModelDrafter, NgramDrafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
+from workers.loop import Loop, LoopState, Pair, Plan
+from workers.loop.inprocess import InProcessDraft, InProcessTarget, LocalDecoder
 from workers.protocol import TreeSpec, VerifyCall
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree
@@ -16,10 +22,11 @@ from workers.target.runner import TargetRunner
 GREEDY = SamplingParams()
 
 
-def target_only(seed: int, prompt: list[int], n: int) -> list[int]:
+async def target_only(seed: int, prompt: list[int], n: int) -> list[int]:
+    """The tiny target's own greedy tokens (the loop with no draft)."""
     engine = tiny_engine(seed=seed, slots=2)
-    decoder = SpecDecoder(TargetRunner(engine, SessionTable(2)), None)
-    return decoder.generate(prompt, n, GREEDY).token_ids
+    decoder = LocalDecoder(TargetRunner(engine, SessionTable(2)))
+    return (await decoder.agenerate(prompt, n, GREEDY)).token_ids
 
 
 def hf_greedy(seed: int, prompt: list[int], n: int) -> list[int]:
@@ -45,11 +52,12 @@ PROMPTS = [[5, 17, 3, 88, 41, 5, 17], list(range(20, 32)), [7] * 9]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_target_only_equals_transformers_generate(seed):
+async def test_target_only_equals_transformers_generate(seed):
     for prompt in PROMPTS:
-        assert target_only(seed, prompt, 24) == hf_greedy(seed, prompt, 24)
+        assert await target_only(seed, prompt, 24) == hf_greedy(seed, prompt, 24)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize(
     "spec",
     [
@@ -60,52 +68,64 @@ def test_target_only_equals_transformers_generate(seed):
     ],
 )
 @pytest.mark.parametrize("seed", [0, 2])
-def test_model_draft_tree_is_lossless(spec, seed):
-    draft = perturbed_draft(seed, noise=0.01)
-    target = tiny_engine(seed=seed, slots=2)
-    decoder = SpecDecoder(
-        TargetRunner(target, SessionTable(2)), ModelDrafter(draft, SessionTable(2)), spec
-    )
-    for prompt in PROMPTS:
-        gen = decoder.generate(prompt, 30, GREEDY)
-        assert gen.token_ids == target_only(seed, prompt, 30)
-        assert gen.stats.verify_steps < 30  # the draft helped at least once
+async def test_model_draft_tree_is_lossless(transport, spec, seed):
+    async with pair(transport, tiny_engine(seed=seed, slots=2), perturbed_draft(seed, 0.01)) as p:
+        for prompt in PROMPTS:
+            gen = await run(p, prompt, 30, spec)
+            assert gen.token_ids == await target_only(seed, prompt, 30)
+            assert gen.stats.verify_steps < 30  # the draft helped at least once
 
 
-def test_partial_acceptance_happens():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_partial_acceptance_happens(transport):
     """The perturbed draft is accepted sometimes but not always."""
-    draft = perturbed_draft(0, noise=0.01)
-    decoder = SpecDecoder(
-        TargetRunner(tiny_engine(seed=0), SessionTable(2)),
-        ModelDrafter(draft, SessionTable(2)),
-        TreeSpec(depth=4, branching=2, budget=8),
-    )
-    stats = decoder.generate(PROMPTS[1], 40, GREEDY).stats
+    async with pair(transport, tiny_engine(seed=0), perturbed_draft(0, noise=0.01)) as p:
+        stats = (await run(p, PROMPTS[1], 40, TreeSpec(depth=4, branching=2, budget=8))).stats
     assert 0.0 < stats.acceptance_rate < 1.0
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("spec", [TreeSpec(depth=4, branching=1), TreeSpec(depth=6, budget=12)])
-def test_ngram_draft_is_lossless(spec):
-    target = tiny_engine(seed=1, slots=2)
-    decoder = SpecDecoder(
-        TargetRunner(target, SessionTable(2)), NgramDrafter(SessionTable(8)), spec
+async def test_ngram_draft_is_lossless(transport, spec):
+    async with pair(transport, tiny_engine(seed=1, slots=2), NGRAM) as p:
+        for prompt in PROMPTS:
+            assert (await run(p, prompt, 30, spec)).token_ids == await target_only(1, prompt, 30)
+
+
+async def test_the_tree_never_exceeds_the_targets_limit():
+    """The loop caps every tree at the target's max_tree_nodes (a larger one is refused)."""
+    runner = TargetRunner(tiny_engine(seed=0, slots=2), SessionTable(2), max_tree_nodes=4)
+    route = await Pair.of(
+        InProcessTarget("t", runner, threaded=False),
+        InProcessDraft("d", NgramDrafter(SessionTable(8)), threaded=False),
     )
-    for prompt in PROMPTS:
-        assert decoder.generate(prompt, 30, GREEDY).token_ids == target_only(1, prompt, 30)
+    gen = await run(route, PROMPTS[2], 30, TreeSpec(depth=6, budget=64))
+    assert gen.token_ids == await target_only(0, PROMPTS[2], 30)
+    assert 0 < gen.stats.draft_tokens <= 4 * gen.stats.verify_steps
 
 
 def test_kv_cache_after_many_rounds_equals_fresh_prefill():
+    """After many propose/verify/commit rounds of the loop, the slot's keys and values equal
+    a fresh prefill of the session's tokens."""
+
+    from workers.loop import Pair
+    from workers.loop.inprocess import InProcessDraft
+
     target = tiny_engine(seed=0, slots=2)
     runner = TargetRunner(target, SessionTable(2))
-    decoder = SpecDecoder(
-        runner, ModelDrafter(perturbed_draft(0, 0.01), SessionTable(2)), TreeSpec(4, 2, 8)
-    )
-    prompt = PROMPTS[0]
-    gen = decoder.generate(prompt, 40, GREEDY)
-    assert gen.stats.verify_steps > 5
-    # replay the same rounds without ending the session, then inspect the slot
-    runner.end = lambda sid: True  # keep the session's cache to look at it
-    gen = decoder.generate(prompt, 40, GREEDY)
+    drafter = ModelDrafter(perturbed_draft(0, 0.01), SessionTable(2))
+
+    async def rounds() -> int:
+        route = await Pair.of(
+            InProcessTarget("t", runner, threaded=False), InProcessDraft("d", drafter, False)
+        )
+        plan = Plan(PROMPTS[0], 40, GREEDY, TreeSpec(4, 2, 8))
+        loop = Loop(LoopState(plan), route, uuid.uuid4().hex, keep=True)  # keeps the slot
+        async for _ in loop.rounds():
+            pass
+        return loop.counters.verify_steps
+
+    assert asyncio.run(rounds()) > 5
     (session,) = runner.table.sessions.values()
     n = session.cached
     fresh = tiny_engine(seed=0, slots=1)

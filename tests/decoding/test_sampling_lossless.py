@@ -1,5 +1,6 @@
-"""Sampling through the whole pipeline (engines, sampled draft tree, verification)
-gives exactly the target's distribution: a chi-square test on a tiny vocabulary."""
+"""Sampling through the whole pipeline (engines, sampled draft tree, verification, and the
+one loop the gateway runs, in-process and over real gRPC workers) gives exactly the
+target's distribution: a chi-square test on a tiny vocabulary."""
 
 import itertools
 
@@ -7,14 +8,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from tests.decoding.pairs import pair, run
 from tests.engine.tiny import tiny_hf_model
-from workers.decoder import SpecDecoder
-from workers.draft.runner import ModelDrafter
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.sessions import SessionTable
 from workers.protocol import TreeSpec
 from workers.speculation.sampling import SamplingParams, target_probs
-from workers.target.runner import TargetRunner
 
 VOCAB = 6
 PROMPT = [1, 4, 2]
@@ -32,18 +30,16 @@ def exact_two_token_distribution(hf, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sampled_counts(params: SamplingParams, tree: TreeSpec) -> torch.Tensor:
+async def sampled_counts(transport: str, params: SamplingParams, tree: TreeSpec) -> torch.Tensor:
     config = EngineConfig(max_sessions=2, max_seq_len=64)
     target = Engine.from_hf(tiny_hf_model(vocab=VOCAB, seed=4), None, config, "target")
     draft = Engine.from_hf(perturbed_draft_small(), None, config, "draft")
-    decoder = SpecDecoder(
-        TargetRunner(target, SessionTable(2)), ModelDrafter(draft, SessionTable(2)), tree
-    )
     counts = torch.zeros(VOCAB, VOCAB)
-    for run in range(RUNS):
-        seeded = SamplingParams(params.temperature, params.top_p, params.top_k, seed=run)
-        out = decoder.generate(PROMPT, 3, seeded).token_ids
-        counts[out[0], out[1]] += 1
+    async with pair(transport, target, draft) as route:
+        for seed in range(RUNS):
+            seeded = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
+            out = (await run(route, PROMPT, 3, tree, seeded)).token_ids
+            counts[out[0], out[1]] += 1
     return counts
 
 
@@ -57,16 +53,22 @@ def perturbed_draft_small():
     return hf
 
 
+SAMPLED = SamplingParams(temperature=1.0)
+TRUNCATED = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
+
+
+# over gRPC one case: 2,000 generations through real workers take about a minute
 @pytest.mark.parametrize(
-    "params, tree",
+    "transport, params, tree",
     [
-        (SamplingParams(temperature=1.0), TreeSpec(depth=2, branching=3, budget=8)),
-        (SamplingParams(temperature=0.7, top_k=4, top_p=0.9), TreeSpec(depth=2, branching=2)),
+        ("inprocess", SAMPLED, TreeSpec(depth=2, branching=3, budget=8)),
+        ("inprocess", TRUNCATED, TreeSpec(depth=2, branching=2)),
+        ("grpc", SAMPLED, TreeSpec(depth=2, branching=3, budget=8)),
     ],
 )
-def test_sampled_pairs_follow_the_target_distribution(params, tree):
+async def test_sampled_pairs_follow_the_target_distribution(transport, params, tree):
     expected = exact_two_token_distribution(tiny_hf_model(vocab=VOCAB, seed=4), params)
-    counts = sampled_counts(params, tree)
+    counts = await sampled_counts(transport, params, tree)
     cells = [(a, b) for a, b in itertools.product(range(VOCAB), repeat=2) if expected[a, b] > 0]
     assert counts.sum() == RUNS
     assert sum(counts[a, b] for a, b in cells) == RUNS  # nothing outside the support

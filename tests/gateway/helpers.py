@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from gateway.app import create_app
-from gateway.inprocess import InProcessDraft, InProcessFactory, InProcessTarget
+from workers.loop.inprocess import InProcessDraft, InProcessFactory, InProcessTarget
 from gateway.settings import GatewaySettings
 from tests.engine.tiny import tiny_hf_model
 from workers.draft.runner import ModelDrafter

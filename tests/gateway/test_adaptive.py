@@ -103,7 +103,8 @@ def test_adaptive_trees_do_not_change_the_output(greedy_texts):
 
 def test_a_new_session_starts_from_the_recent_acceptance():
     from gateway.metrics import Metrics
-    from gateway.speculation import ChoicePlan, LoopOptions, Speculation
+    from gateway.speculation import LoopOptions, Speculation
+    from workers.loop import Plan
     from workers.speculation.sampling import SamplingParams
 
     class Router:
@@ -111,7 +112,7 @@ def test_a_new_session_starts_from_the_recent_acceptance():
             return f"s{index}"
 
     recent = Acceptance(accepted=0.1, rejected=0.9, rounds_off=3)
-    plan = ChoicePlan([1, 2, 3], 8, SamplingParams(), SPEC, frozenset())
-    speculation = Speculation(Router(), plan, Metrics(), 0, LoopOptions(CONFIG), recent)
+    plan = Plan([1, 2, 3], 8, SamplingParams(), SPEC, frozenset())
+    speculation = Speculation(Router(), plan, Metrics(), None, 0, LoopOptions(CONFIG), recent)
     assert speculation.acceptance.rate == pytest.approx(0.1)
     assert speculation.acceptance is not recent and speculation.acceptance.rounds_off == 0

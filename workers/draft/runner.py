@@ -18,7 +18,7 @@ import torch
 
 from workers.engine.engine import Engine, SlotInput
 from workers.engine.sessions import Session, SessionTable
-from workers.protocol import ProposeCall
+from workers.protocol import ProposeCall, WorkerInfo
 from workers.speculation.ngram import ngram_tree
 from workers.speculation.policy import TreeBuilder, TreePolicy, choose_children, tree_policy
 from workers.speculation.sampling import DRAFT_STREAM, round_generator
@@ -158,6 +158,9 @@ class ModelDrafter:
     def end(self, session_id: str) -> bool:
         return self.table.end(session_id)
 
+    def info(self) -> WorkerInfo:
+        return self.engine.info("draft", 0, len(self.table))
+
 
 class NgramDrafter:
     """Prompt lookup over each session's history; needs no model and no KV."""
@@ -187,3 +190,8 @@ class NgramDrafter:
 
     def end(self, session_id: str) -> bool:
         return self.table.end(session_id)
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            "draft", "ngram", "", self.vocab_size or 0, 0, self.table.num_slots, len(self.table)
+        )

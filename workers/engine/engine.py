@@ -18,6 +18,7 @@ import torch
 from workers.engine.kv_cache import SlotKVCache
 from workers.engine.llama import ForwardBatch, NativeLlama, RowGroup
 from workers.engine.packed import pack_linears
+from workers.protocol import WorkerInfo
 from workers.speculation.tree import depths, tree_mask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -98,6 +99,28 @@ class Engine:
     @property
     def num_slots(self) -> int:
         return self.cache.num_slots
+
+    def info(self, role: str, max_tree_nodes: int, live_sessions: int) -> WorkerInfo:
+        """What a worker over this engine says about itself (its Info call)."""
+        from workers.engine.loader import tokenizer_fingerprint
+
+        tokenizer = self.tokenizer
+        if tokenizer is None:  # a test model: the vocabulary size is all there is to compare
+            fingerprint, eos = f"vocab:{self.vocab_size}", ()
+        else:
+            fingerprint = tokenizer_fingerprint(tokenizer)
+            eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+        return WorkerInfo(
+            role=role,
+            model_id=self.model_id,
+            tokenizer_fingerprint=fingerprint,
+            vocab_size=self.vocab_size,
+            context_length=self.context_length,
+            max_sessions=self.num_slots,
+            live_sessions=live_sessions,
+            eos_token_ids=eos,
+            max_tree_nodes=max_tree_nodes,
+        )
 
     @torch.inference_mode()
     def forward(self, rows: list[SlotInput]) -> list[torch.Tensor]:

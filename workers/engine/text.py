@@ -12,3 +12,9 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
 def encode(tokenizer, text: str) -> list[int]:
     """Plain text to ids; templates and prompts already carry their special tokens."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def stop_token_ids(tokenizer) -> frozenset[int]:
+    """The tokens that end a generation: the tokenizer's end-of-sequence token."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return frozenset() if eos is None else frozenset({eos})

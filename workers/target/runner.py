@@ -16,7 +16,7 @@ import torch
 
 from workers.engine.engine import Engine, SlotInput
 from workers.engine.sessions import Session, SessionTable
-from workers.protocol import TokenLogprob, VerifyCall, VerifyOutcome
+from workers.protocol import TokenLogprob, VerifyCall, VerifyOutcome, WorkerInfo
 from workers.speculation.sampling import TARGET_STREAM, round_generator
 from workers.speculation.tree import TokenTree, check_tokens, depths, validate_tree
 from workers.speculation.verify import verify
@@ -99,6 +99,9 @@ class TargetRunner:
 
     def end(self, session_id: str) -> bool:
         return self.table.end(session_id)
+
+    def info(self) -> WorkerInfo:
+        return self.engine.info("target", self.max_tree_nodes, len(self.table))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:

@@ -1,0 +1,345 @@
+"""The one speculation loop: propose -> verify -> commit -> emit, over two Backends.
+
+A `Route` says which worker serves each role of the session and what a
+failure does; a `Seat` is the session's place on one worker and how much of
+the history that worker holds (`held`): each call sends base_len = held and
+only the tokens after it. When the worker lost the session (`SessionLost`)
+or the session moves to another worker, held drops to 0 and the call
+re-sends the whole history. A round's tokens join the history only after a
+verify returned them, so a call that fails commits nothing: the same round
+is asked again, of the same or another target, and no token is lost or
+repeated.
+
+Failures, by role:
+- draft: SessionLost -> re-send to it; down or busy -> the next worker the
+  route offers; refused as malformed or none left -> the target decodes
+  alone this round (a degraded round: a draft never changes the output).
+- target: SessionLost -> re-send to it; down or busy -> the next worker the
+  route offers; refused as malformed -> `Route.refused`; none left ->
+  `Route.exhausted`.
+
+`Pair` is the route over one fixed draft and target (`specsplit generate`,
+the benchmarks, the tests); the gateway's route pools workers and fails
+over (gateway/speculation.py), and its subclass of `Loop` sizes trees to
+acceptance and load and drafts ahead through the hooks `shape`,
+`next_tree`, `before_verify`, `observe` and `after_emit`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from workers.loop.state import Generation, LoopState, Plan, Round
+from workers.protocol import (
+    Backend,
+    InvalidCall,
+    ProposeCall,
+    Role,
+    SessionLost,
+    TreeSpec,
+    VerifyCall,
+    VerifyOutcome,
+    WorkerBusy,
+    WorkerError,
+)
+from workers.speculation.tree import TokenTree
+
+log = logging.getLogger("specsplit.loop")
+
+ATTEMPTS = 4  # calls per round and role before giving up (plus one per worker offered)
+
+
+class Placed(Protocol):
+    """A worker a route offers: its backend and what the loop needs to know of it."""
+
+    address: str
+    backend: Backend
+    max_tree_nodes: int  # most nodes it verifies in one tree; 0 = no limit stated
+    load: int  # sessions bound to it now
+
+
+@dataclass
+class Seat:
+    """A session's place on one worker."""
+
+    worker: Placed | None = None
+    held: int = 0  # history tokens the worker holds for the session; 0 = send it all
+
+
+class Route(Protocol):
+    """Which workers serve one session, and what the loop does when a call fails."""
+
+    drafts: bool  # whether the session drafts at all
+
+    def attempts(self, role: Role) -> int:
+        """Calls one round may make of the role before giving up."""
+
+    def bind(self, role: Role, tried: set[str]) -> Placed | None:
+        """A worker of the role not in `tried` (by address); None when none is left."""
+
+    def failed(self, worker: Placed, error: WorkerError, session_id: str) -> None:
+        """The call failed (busy or down): stop using the worker for this session."""
+
+    def resent(self, role: Role) -> None:
+        """The worker lost the session; the next call re-sends the whole history."""
+
+    def refused(self, error: InvalidCall) -> Exception:
+        """What to raise when the target refused the call as malformed."""
+
+    def exhausted(self, all_busy: bool, last: WorkerError | None) -> Exception:
+        """What to raise when no target answered the round."""
+
+    async def release(self, session_id: str, workers: list[Placed], keep: bool) -> None:
+        """The session is over (kept: its worker sessions stay for a next turn)."""
+
+
+@dataclass
+class Loop:
+    state: LoopState
+    route: Route
+    session_id: str
+    keep: bool = False  # a clean end keeps the worker sessions (a conversation's next turn)
+    draft: Seat = field(default_factory=Seat)
+    target: Seat = field(default_factory=Seat)
+
+    @property
+    def history(self) -> list[int]:
+        return self.state.history
+
+    @property
+    def counters(self):
+        return self.state.counters
+
+    async def rounds(self) -> AsyncIterator[Round]:
+        """Runs rounds until a stop token or max_tokens; yields each round's tokens."""
+        clean = False  # ended by its last round or closed by its consumer (not failed)
+        try:
+            while self.state.finish_reason is None:
+                start = time.perf_counter()
+                tree, degraded = await self.next_tree()
+                proposed = time.perf_counter()
+                self.before_verify(tree)
+                outcome = await self.verify(tree)
+                verified = time.perf_counter()
+                round_ = self.state.commit(tree, outcome, degraded)
+                self.observe(tree, round_, proposed - start, verified - proposed)
+                yield round_
+                self.after_emit(time.perf_counter() - verified)
+            clean = True
+        except GeneratorExit:
+            clean = True
+            raise
+        finally:
+            await self.close(keep=clean and self.keep)
+
+    # --- hooks (the gateway overrides them) --------------------------------------------
+
+    def shape(self, spec: TreeSpec) -> TreeSpec | None:
+        """This round's tree before fitting; None: no draft this round."""
+        return spec
+
+    async def next_tree(self) -> tuple[TokenTree, bool]:
+        """The round's tree, and whether the round is degraded (no draft answered)."""
+        return await self.propose()
+
+    def before_verify(self, tree: TokenTree) -> None:
+        """Called with the tree just before it is verified."""
+
+    def observe(self, tree: TokenTree, round_: Round, draft_s: float, verify_s: float) -> None:
+        """Called with each committed round, its tree and the time its two calls took."""
+
+    def after_emit(self, seconds: float) -> None:
+        """Called with the time the consumer took over a round."""
+
+    async def finish(self) -> None:
+        """Called once the rounds are over, before the workers are released."""
+
+    # --- the calls --------------------------------------------------------------------
+
+    def tree_spec(self, extra: int = 0) -> TreeSpec | None:
+        """This round's tree: shaped, no deeper than wanted, within the target's limit."""
+        if not self.route.drafts:
+            return None
+        spec = self.shape(self.state.plan.spec)
+        if spec is None:
+            return None
+        limit = self.target.worker.max_tree_nodes if self.target.worker else 0
+        return self.state.fit(spec, limit, extra)
+
+    async def propose(self) -> tuple[TokenTree, bool]:
+        """The draft's tree after the history, and whether the round is degraded."""
+        if not self.route.drafts:
+            return TokenTree.empty(), False
+        if self.target.worker is None:  # bound first: the tree must fit its limits
+            self.bind("target", set())
+        spec = self.tree_spec()
+        if spec is None:
+            return TokenTree.empty(), False
+        tried: set[str] = set()
+        for _ in range(self.route.attempts("draft")):
+            worker = self.draft.worker or self.bind("draft", tried)
+            if worker is None:
+                break
+            held = self.draft.held
+            call = ProposeCall(self.session_id, held, self.history[held:], spec)
+            try:
+                tree = await worker.backend.propose(call)
+            except SessionLost as error:
+                self.resend("draft", error, tried)
+                continue
+            except InvalidCall as error:  # the draft refuses this session: go without it
+                log.warning("draft %s refused %s: %s", worker.address, self.session_id, error)
+                return TokenTree.empty(), True
+            except WorkerError as error:  # down or busy: another draft
+                self.leave("draft", error, tried)
+                continue
+            self.draft.held = len(self.history)
+            return tree, False
+        return TokenTree.empty(), True
+
+    async def verify(self, tree: TokenTree) -> VerifyOutcome:
+        """The target's verdict on the tree, from whichever target can give it."""
+        tried: set[str] = set()
+        all_busy, last = True, None
+        plan = self.state.plan
+        for _ in range(self.route.attempts("target")):
+            worker = self.target.worker or self.bind("target", tried)
+            if worker is None:
+                break
+            held = self.target.held
+            call = VerifyCall(
+                self.session_id, held, self.history[held:], tree, plan.params, plan.num_logprobs
+            )
+            try:
+                outcome = await worker.backend.verify(call)
+            except SessionLost as error:
+                self.resend("target", error, tried)
+                continue
+            except InvalidCall as error:
+                raise self.route.refused(error) from error
+            except WorkerError as error:
+                all_busy &= isinstance(error, WorkerBusy)
+                last = error
+                self.leave("target", error, tried)
+                continue
+            self.target.held = len(self.history) + len(outcome.emitted)
+            return outcome
+        raise self.route.exhausted(bool(tried) and all_busy, last)
+
+    # --- seats --------------------------------------------------------------------------
+
+    def seat(self, role: Role) -> Seat:
+        return self.draft if role == "draft" else self.target
+
+    def bind(self, role: Role, tried: set[str]) -> Placed | None:
+        """Binds the session to a new worker of the role, which holds nothing of it yet."""
+        worker = self.route.bind(role, tried)
+        if worker is not None:
+            seat = self.seat(role)
+            seat.worker, seat.held = worker, 0
+        return worker
+
+    def resend(self, role: Role, error: SessionLost, tried: set[str]) -> None:
+        """The worker lost the session: the next call re-sends the whole history."""
+        seat = self.seat(role)
+        if seat.held == 0:  # lost a session it was just given: treat it as broken
+            self.leave(role, error, tried)
+            return
+        seat.held = 0
+        self.counters.history_resends += 1
+        self.route.resent(role)
+
+    def leave(self, role: Role, error: WorkerError, tried: set[str]) -> None:
+        """Drops a worker that failed; the next call binds another one."""
+        seat = self.seat(role)
+        tried.add(seat.worker.address)
+        if not isinstance(error, WorkerBusy):
+            self.counters.failovers += 1
+        self.route.failed(seat.worker, error, self.session_id)
+        seat.worker, seat.held = None, 0
+
+    async def close(self, keep: bool) -> None:
+        await self.finish()
+        workers = [s.worker for s in (self.draft, self.target) if s.worker is not None]
+        self.draft, self.target = Seat(), Seat()
+        await self.route.release(self.session_id, workers, keep)
+
+
+# --- one fixed draft and target ---------------------------------------------------------
+
+
+@dataclass
+class Fixed:
+    """A worker of a `Pair`."""
+
+    backend: Backend
+    max_tree_nodes: int = 0
+    load: int = 0
+
+    @property
+    def address(self) -> str:
+        return self.backend.address
+
+
+@dataclass
+class Pair:
+    """The route over one target and at most one draft: no pool, so no failover."""
+
+    target: Fixed
+    draft: Fixed | None = None
+
+    @classmethod
+    async def of(cls, target: Backend, draft: Backend | None = None) -> Pair:
+        """Asks the target for its tree limit once."""
+        info = await target.info()
+        return cls(Fixed(target, info.max_tree_nodes), Fixed(draft) if draft else None)
+
+    @property
+    def drafts(self) -> bool:
+        return self.draft is not None
+
+    def attempts(self, role: Role) -> int:
+        return ATTEMPTS + 1
+
+    def bind(self, role: Role, tried: set[str]) -> Fixed | None:
+        worker = self.target if role == "target" else self.draft
+        if worker is None or worker.address in tried:
+            return None
+        return worker
+
+    def failed(self, worker: Placed, error: WorkerError, session_id: str) -> None:
+        log.warning("%s failed for %s: %s", worker.address, session_id, error)
+
+    def resent(self, role: Role) -> None:
+        pass
+
+    def refused(self, error: InvalidCall) -> Exception:
+        return error
+
+    def exhausted(self, all_busy: bool, last: WorkerError | None) -> Exception:
+        return last or RuntimeError("the target gave no answer")
+
+    async def release(self, session_id: str, workers: list[Placed], keep: bool) -> None:
+        if keep:
+            return
+        for worker in (self.target, self.draft):
+            if worker is not None:
+                with contextlib.suppress(WorkerError):
+                    await worker.backend.end(session_id)
+
+
+async def generate(route: Route, plan: Plan, session_id: str) -> Generation:
+    """Runs the loop to the end and returns the whole generation."""
+    loop = Loop(LoopState(plan), route, session_id)
+    start = time.perf_counter()
+    async with contextlib.aclosing(loop.rounds()) as rounds:
+        async for _ in rounds:
+            pass
+    state = loop.state
+    elapsed = time.perf_counter() - start
+    return Generation(state.generated, state.finish_reason or "length", state.counters, elapsed)
