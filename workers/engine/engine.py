@@ -19,6 +19,7 @@ from workers.engine.kv_cache import SlotKVCache
 from workers.engine.llama import ForwardBatch, NativeLlama, RowGroup
 from workers.engine.packed import pack_linears
 from workers.protocol import WorkerInfo
+from workers.settings import EMBEDDED_MODEL
 from workers.speculation.tree import depths, tree_mask
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,7 +29,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class EngineConfig:
     """How to load and size one model engine."""
 
-    model: str = "smollm2-135m-instruct"  # alias, local directory, .gguf file or HF id
+    model: str = EMBEDDED_MODEL  # alias, local directory, .gguf file or HF id
     device: str = "cpu"  # torch device; "cuda" where a GPU build of torch is installed
     dtype: str = "float32"  # one of DTYPES
     max_sessions: int = 8  # KV slots, i.e. sessions held at once

