@@ -41,7 +41,7 @@ def create_app(settings: GatewaySettings, backend_factory: BackendFactory | None
     async def lifespan(app: FastAPI):
         factory = backend_factory
         if factory is None:
-            from gateway.grpc_backend import GrpcFactory
+            from workers.rpc.client import GrpcFactory
 
             factory = GrpcFactory(settings.rpc_timeout_s)
         app.state.gateway = await Gateway.start(settings, factory, metrics)

@@ -172,15 +172,14 @@ class Pool:
         self.metrics.worker_up.labels(self.role, worker.address).set(1 if worker.serving else 0)
 
     def compatible(self, worker: Worker) -> bool:
-        theirs = worker.info.tokenizer_fingerprint if worker.info else ""
-        if not theirs or not self.fingerprint or theirs == self.fingerprint:
+        if worker.info is None or worker.info.pairs_with(self.fingerprint):
             return True
         log.error(
             "%s worker %s serves %s with tokenizer %s, the gateway's is %s: not used",
             self.role,
             worker.address,
             worker.info.model_id,
-            theirs,
+            worker.info.tokenizer_fingerprint,
             self.fingerprint,
         )
         return False

@@ -24,7 +24,7 @@ from pydantic_settings import BaseSettings
 
 from workers.benchmarks.workloads import TEXTS
 from workers.decoder import SpecDecoder, stop_token_ids
-from workers.draft.runner import NgramDrafter
+from workers.draft.ngram import NgramDrafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
 from workers.engine.text import encode_chat

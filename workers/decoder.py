@@ -13,7 +13,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from workers.draft.runner import ModelDrafter, NgramDrafter
+from workers.draft.ngram import NgramDrafter
+from workers.draft.runner import ModelDrafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
 from workers.protocol import ProposeCall, TreeSpec, VerifyCall

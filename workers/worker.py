@@ -100,17 +100,13 @@ class WorkerSettings(EngineOptions):
 
 async def start(settings: WorkerSettings) -> WorkerServer:
     """Loads the model (none for an n-gram draft) and starts the worker's server."""
-    from workers.draft.service import serve_draft
     from workers.engine.engine import Engine
-    from workers.target.service import serve_target
+    from workers.rpc.service import serve_role
 
-    if settings.role == "draft" and settings.model_name == "ngram":
-        return await serve_draft(None, settings)
-    if settings.model_name == "ngram":
-        raise ValueError("the target needs a model; 'ngram' is a draft only")
-    engine = await asyncio.to_thread(Engine.load, settings.engine_config())
-    serve = serve_draft if settings.role == "draft" else serve_target
-    return await serve(engine, settings)
+    engine = None
+    if settings.model_name != "ngram":
+        engine = await asyncio.to_thread(Engine.load, settings.engine_config())
+    return await serve_role(settings.role, engine, settings)
 
 
 async def run(settings: WorkerSettings) -> None:

@@ -12,7 +12,8 @@ import uuid
 from contextlib import asynccontextmanager
 
 from tests.workers.helpers import draft_worker, target_worker
-from workers.draft.runner import ModelDrafter, NgramDrafter
+from workers.draft.ngram import NgramDrafter
+from workers.draft.runner import ModelDrafter
 from workers.engine.engine import Engine
 from workers.engine.sessions import SessionTable
 from workers.loop import Generation, Pair, Plan, generate

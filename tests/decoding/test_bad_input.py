@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.engine.tiny import tiny_engine
-from workers.draft.runner import NgramDrafter
+from workers.draft.ngram import NgramDrafter
 from workers.engine.sessions import SessionTable
 from workers.loop.inprocess import LocalDecoder
 from workers.protocol import VerifyCall

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from workers.draft.runner import ModelDrafter, NgramDrafter
+from workers.draft.ngram import NgramDrafter
+from workers.draft.runner import ModelDrafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
 from workers.engine.text import encode_chat, stop_token_ids

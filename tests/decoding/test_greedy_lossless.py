@@ -9,7 +9,8 @@ import torch
 
 from tests.decoding.pairs import NGRAM, TRANSPORTS, pair, run
 from tests.engine.tiny import tiny_engine, tiny_hf_model
-from workers.draft.runner import ModelDrafter, NgramDrafter
+from workers.draft.ngram import NgramDrafter
+from workers.draft.runner import ModelDrafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
 from workers.loop import Loop, LoopState, Pair, Plan

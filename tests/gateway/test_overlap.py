@@ -11,7 +11,8 @@ from openai import OpenAI
 from gateway.overlap import Lookahead
 from tests.engine.tiny import tiny_engine
 from tests.gateway.helpers import MODEL, live, model_draft, target
-from workers.draft.runner import ModelDrafter, NgramDrafter
+from workers.draft.ngram import NgramDrafter
+from workers.draft.runner import ModelDrafter
 from workers.engine.sessions import SessionTable
 from workers.protocol import ProposeCall, TreeSpec
 from workers.speculation.tree import TokenTree, spine, subtree

@@ -20,10 +20,11 @@ import pytest
 import torch
 from openai import OpenAI
 
-from gateway.grpc_backend import GrpcBackend
 from tests.gateway.helpers import free_port, wait_until
+from workers.rpc.client import GrpcBackend
+from workers.settings import EMBEDDED_MODEL
 
-MODEL = "smollm2-135m-instruct"
+MODEL = EMBEDDED_MODEL
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 STORY = [{"role": "user", "content": "Tell me a short story about a cat and a dog."}]
 

@@ -7,11 +7,10 @@ from contextlib import asynccontextmanager
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from workers.draft.service import serve_draft
 from workers.engine.engine import Engine
-from workers.rpc.client import DraftClient, TargetClient
+from workers.rpc.client import GrpcBackend
 from workers.rpc.server import WorkerServer
-from workers.target.service import serve_target
+from workers.rpc.service import serve_role
 from workers.worker import WorkerSettings
 
 
@@ -21,23 +20,22 @@ def settings(role: str, **overrides) -> WorkerSettings:
 
 
 @asynccontextmanager
-async def target_worker(engine: Engine, **overrides):
-    server = await serve_target(engine, settings("target", **overrides))
+async def worker(role: str, engine: Engine | None, **overrides):
+    """A served worker and a GrpcBackend dialled to it; engine None = an n-gram draft."""
+    server = await serve_role(role, engine, settings(role, **overrides))
     try:
-        async with TargetClient(f"127.0.0.1:{server.port}") as client:
-            yield server, client
+        async with GrpcBackend(role, f"127.0.0.1:{server.port}") as backend:
+            yield server, backend
     finally:
         await server.shutdown(0)
 
 
-@asynccontextmanager
-async def draft_worker(engine: Engine | None, **overrides):
-    server = await serve_draft(engine, settings("draft", **overrides))
-    try:
-        async with DraftClient(f"127.0.0.1:{server.port}") as client:
-            yield server, client
-    finally:
-        await server.shutdown(0)
+def target_worker(engine: Engine, **overrides):
+    return worker("target", engine, **overrides)
+
+
+def draft_worker(engine: Engine | None, **overrides):
+    return worker("draft", engine, **overrides)
 
 
 def scrape(server: WorkerServer) -> dict[str, list]:

@@ -54,13 +54,13 @@ async def code_of(call) -> grpc.StatusCode:
 
 
 async def test_malformed_verify_requests_are_rejected_and_others_unharmed():
-    expected = target_only(0, PROMPT, len(BAD_VERIFY) + 1)
+    expected = await target_only(0, PROMPT, len(BAD_VERIFY) + 1)
     async with target_worker(tiny_engine(seed=0, slots=3), max_tree_nodes=MAX_NODES) as (
         server,
         client,
     ):
         stub = pb_grpc.TargetServiceStub(client.channel)
-        reply = await stub.Prefill(pb.PrefillRequest(session_id="ok", tokens=PROMPT))
+        reply = await stub.Verify(pb.VerifyRequest(session_id="ok", tokens=PROMPT))
         history = PROMPT + list(reply.emitted)
         for name, case in BAD_VERIFY.items():
             code = await code_of(stub.Verify(bad_request(case, "bad")))
@@ -79,7 +79,7 @@ async def test_malformed_verify_requests_are_rejected_and_others_unharmed():
             for labels, v in scrape(server)["specsplit_worker_requests_total"]
         }
         assert codes[("Verify", "INVALID_ARGUMENT")] >= len(BAD_VERIFY)
-        assert codes[("Verify", "OK")] == len(BAD_VERIFY)
+        assert codes[("Verify", "OK")] == len(BAD_VERIFY) + 1  # the start, then one per case
 
 
 async def test_invalid_argument_message_names_the_rule():
@@ -127,13 +127,13 @@ async def test_unexpected_errors_are_internal_and_the_worker_keeps_serving(caplo
 
         runner.prepare = broken
         stub = pb_grpc.TargetServiceStub(client.channel)
-        boom = stub.Prefill(pb.PrefillRequest(session_id="boom", tokens=PROMPT))
-        fine = stub.Prefill(pb.PrefillRequest(session_id="fine", tokens=PROMPT))
+        boom = stub.Verify(pb.VerifyRequest(session_id="boom", tokens=PROMPT))
+        fine = stub.Verify(pb.VerifyRequest(session_id="fine", tokens=PROMPT))
         codes = await asyncio.gather(code_of(boom), code_of(fine))
         assert codes == [grpc.StatusCode.INTERNAL, grpc.StatusCode.OK]
         assert "a bug" in caplog.text
-        reply = await stub.Prefill(pb.PrefillRequest(session_id="again", tokens=PROMPT))
-        assert list(reply.emitted) == target_only(0, PROMPT, 1)
+        reply = await stub.Verify(pb.VerifyRequest(session_id="again", tokens=PROMPT))
+        assert list(reply.emitted) == await target_only(0, PROMPT, 1)
 
 
 async def test_every_slot_busy_in_one_batch_is_resource_exhausted():
@@ -145,7 +145,7 @@ async def test_every_slot_busy_in_one_batch_is_resource_exhausted():
         stub = pb_grpc.TargetServiceStub(client.channel)
         codes = await asyncio.gather(
             *(
-                code_of(stub.Prefill(pb.PrefillRequest(session_id=s, tokens=p)))
+                code_of(stub.Verify(pb.VerifyRequest(session_id=s, tokens=p)))
                 for s, p in prompts.items()
             )
         )

@@ -1,5 +1,7 @@
 """An evicted session answers NOT_FOUND, is re-sent its history, and its output is unchanged."""
 
+import contextlib
+
 import grpc
 import pytest
 
@@ -8,9 +10,8 @@ from proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.decoding.test_greedy_lossless import target_only
 from tests.engine.tiny import tiny_engine
 from tests.workers.helpers import draft_worker, scrape, target_worker
-from workers.decoder import Generation
+from workers.loop import Loop, LoopState, Pair, Plan
 from workers.protocol import SessionLost, TreeSpec, VerifyCall
-from workers.rpc.remote import RemoteDecoder
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree
 
@@ -23,22 +24,27 @@ async def test_evicted_session_is_resent_and_output_is_unchanged():
         target_worker(tiny_engine(seed=1, slots=2)) as (server, target),
         draft_worker(None) as (_, draft),
     ):
-        decoder = RemoteDecoder(target, draft, TreeSpec(depth=4, budget=8))
-        gens = {sid: Generation() for sid in PROMPTS}
-        rounds = {
-            sid: decoder.rounds(p, 24, GREEDY, gens[sid], session_id=sid)
+        route = await Pair.of(target, draft)
+        spec = TreeSpec(depth=4, budget=8)
+        loops = {
+            sid: Loop(LoopState(Plan(p, 24, GREEDY, spec)), route, sid)
             for sid, p in PROMPTS.items()
         }
-        # round robin over three sessions on two slots: each round evicts another session
-        while rounds:
-            for sid in list(rounds):
-                try:
-                    await anext(rounds[sid])
-                except StopAsyncIteration:
-                    del rounds[sid]
+        async with contextlib.AsyncExitStack() as stack:
+            rounds = {
+                sid: await stack.enter_async_context(contextlib.aclosing(loop.rounds()))
+                for sid, loop in loops.items()
+            }
+            # round robin over three sessions on two slots: each round evicts another session
+            while rounds:
+                for sid in list(rounds):
+                    try:
+                        await anext(rounds[sid])
+                    except StopAsyncIteration:
+                        del rounds[sid]
         for sid, prompt in PROMPTS.items():
-            assert gens[sid].token_ids == target_only(1, prompt, 24)
-        assert decoder.resyncs > 0
+            assert loops[sid].state.generated == await target_only(1, prompt, 24)
+        assert sum(loop.counters.history_resends for loop in loops.values()) > 0
         (evictions,) = [v for _, v in scrape(server)["specsplit_worker_evictions_total"]]
         assert evictions > 0
 
@@ -46,7 +52,7 @@ async def test_evicted_session_is_resent_and_output_is_unchanged():
 async def test_an_evicted_session_answers_not_found():
     async with target_worker(tiny_engine(seed=0, slots=2)) as (_, target):
         for sid in "abc":  # c evicts a, the least recently used
-            await target.prefill(sid, PROMPTS[sid], GREEDY)
+            await target.verify(VerifyCall(sid, 0, PROMPTS[sid], TokenTree.empty(), GREEDY))
         n = len(PROMPTS["a"]) + 1
         with pytest.raises(SessionLost):
             await target.verify(VerifyCall("a", n, [], TokenTree.empty(), GREEDY))
@@ -55,8 +61,8 @@ async def test_an_evicted_session_answers_not_found():
             await stub.Verify(pb.VerifyRequest(session_id="a", base_len=n))
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
         # re-sent from the start, the session carries on with the tokens greedy gives
-        history = PROMPTS["a"] + target_only(0, PROMPTS["a"], 1)
-        reply = await target.verify(VerifyCall("a", 0, history, TokenTree.empty(), GREEDY))
-        assert history[len(PROMPTS["a"]) :] + reply.outcome.emitted == target_only(
+        history = PROMPTS["a"] + await target_only(0, PROMPTS["a"], 1)
+        outcome = await target.verify(VerifyCall("a", 0, history, TokenTree.empty(), GREEDY))
+        assert history[len(PROMPTS["a"]) :] + outcome.emitted == await target_only(
             0, PROMPTS["a"], 2
         )

@@ -12,11 +12,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.engine.tiny import tiny_engine
 from tests.workers.helpers import scrape, target_worker
-from workers.protocol import ProposeCall, TreeSpec
-from workers.rpc.client import DraftClient
+from workers.protocol import ProposeCall, TreeSpec, VerifyCall
+from workers.rpc.client import GrpcBackend
 from workers.speculation.sampling import SamplingParams
+from workers.speculation.tree import TokenTree
 
 ROOT = Path(__file__).resolve().parents[2]
+START = VerifyCall("s", 0, [1, 2, 3], TokenTree.empty(), SamplingParams())  # a session's start
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 METRICS = [
@@ -47,13 +49,13 @@ async def test_worker_command_serves_and_drains_on_sigterm():
     )  # fmt: skip
     try:
         port = await asyncio.wait_for(read_port(proc.stderr), 120)
-        async with DraftClient(f"127.0.0.1:{port}") as draft:
+        async with GrpcBackend("draft", f"127.0.0.1:{port}") as draft:
             info = await draft.info()
             assert (info.role, info.model_id, info.max_sessions) == ("draft", "ngram", 5)
             assert await draft.health()
             history = [1, 2, 3, 1, 2, 3, 1, 2]
-            proposal = await draft.propose(ProposeCall("s", 0, history, TreeSpec(depth=3)))
-            assert proposal.tree.tokens.tolist()[:1] == [3]  # prompt lookup continues 1 2 -> 3
+            tree = await draft.propose(ProposeCall("s", 0, history, TreeSpec(depth=3)))
+            assert tree.tokens.tolist()[:1] == [3]  # prompt lookup continues 1 2 -> 3
             watch = health_pb2_grpc.HealthStub(draft.channel).Watch(
                 health_pb2.HealthCheckRequest(service="")
             )
@@ -71,11 +73,11 @@ async def test_worker_command_serves_and_drains_on_sigterm():
 async def test_shutdown_finishes_in_flight_calls_then_refuses_new_ones():
     # a batching window far longer than the test: the call waits in the queue until shutdown
     async with target_worker(tiny_engine(seed=0), batch_wait_ms=600_000) as (server, target):
-        prefill = asyncio.create_task(target.prefill("s", [1, 2, 3], SamplingParams()))
+        start = asyncio.create_task(target.verify(START))
         while server.interceptor.inflight == 0:  # until the call reached the worker
             await asyncio.sleep(0.01)
         await server.shutdown(grace_s=60, drain_s=0)
-        assert len((await prefill).outcome.emitted) == 1  # run at once, not after the window
+        assert len((await start).emitted) == 1  # run at once, not after the window
         check = await server.health.Check(health_pb2.HealthCheckRequest(service=""), None)
         assert check.status == NOT_SERVING
         stub = health_pb2_grpc.HealthStub(target.channel)
@@ -88,7 +90,7 @@ async def test_shutdown_finishes_in_flight_calls_then_refuses_new_ones():
 
 async def test_info_and_metric_names():
     async with target_worker(tiny_engine(seed=0, slots=3), max_tree_nodes=12) as (server, target):
-        await target.prefill("s", [1, 2, 3], SamplingParams())
+        await target.verify(START)
         info = await target.info()
         assert info.role == "target" and info.tokenizer_fingerprint == "vocab:96"
         assert (info.vocab_size, info.context_length, info.max_sessions) == (96, 256, 3)

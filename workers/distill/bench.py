@@ -26,7 +26,8 @@ from pydantic_settings import BaseSettings
 
 from workers.decoder import SpecDecoder, stop_token_ids
 from workers.distill import prompts
-from workers.draft.runner import ModelDrafter, NgramDrafter
+from workers.draft.ngram import NgramDrafter
+from workers.draft.runner import ModelDrafter
 from workers.engine.engine import Engine, EngineConfig, SlotInput
 from workers.engine.sessions import SessionTable
 from workers.engine.text import encode_chat

@@ -1,13 +1,11 @@
 """The draft side of speculation: propose token trees for many sessions at once.
 
-Two drafters share one interface, `propose(calls) -> [TokenTree | Exception]`:
-
-- `ModelDrafter` expands a tree with a small model, level by level, one
-  forward per level for all sessions in the batch. The nodes it fed stay in
-  its KV cache; next round, the part of them that the target accepted is kept
-  (compacted) and the rest is overwritten.
-- `NgramDrafter` is model-free prompt lookup: a tree from earlier matches of
-  the history's suffix.
+`ModelDrafter` expands a tree with a small model, level by level, one
+forward per level for all sessions in the batch. The nodes it fed stay in
+its KV cache; next round, the part of them that the target accepted is kept
+(compacted) and the rest is overwritten. It shares its interface,
+`propose(calls) -> [TokenTree | Exception]`, with the model-free
+`NgramDrafter` (workers/draft/ngram.py).
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import torch
 from workers.engine.engine import Engine, SlotInput
 from workers.engine.sessions import Session, SessionTable
 from workers.protocol import ProposeCall, WorkerInfo
-from workers.speculation.ngram import ngram_tree
 from workers.speculation.policy import TreeBuilder, TreePolicy, choose_children, tree_policy
 from workers.speculation.sampling import DRAFT_STREAM, round_generator
 from workers.speculation.tree import TokenTree, check_tokens
@@ -160,38 +157,3 @@ class ModelDrafter:
 
     def info(self) -> WorkerInfo:
         return self.engine.info("draft", 0, len(self.table))
-
-
-class NgramDrafter:
-    """Prompt lookup over each session's history; needs no model and no KV."""
-
-    def __init__(self, table: SessionTable, vocab_size: int | None = None):
-        self.table = table
-        self.vocab_size = vocab_size
-
-    def propose(self, calls: list[ProposeCall]) -> list[TokenTree | Exception]:
-        results: list[TokenTree | Exception] = []
-        for call in calls:
-            try:
-                if self.vocab_size is not None:
-                    check_tokens(call.tokens, self.vocab_size)
-                synced = self.table.sync(call.session_id, call.base_len, call.tokens, rollback=True)
-                spec = call.spec
-                if spec.depth == 0 or spec.budget == 0:
-                    results.append(TokenTree.empty())
-                else:
-                    history = synced.session.committed
-                    chain = spec.branching == 1
-                    tree = ngram_tree(history, depth=spec.depth, budget=spec.budget, chain=chain)
-                    results.append(tree)
-            except Exception as error:  # noqa: BLE001 - returned to that caller only
-                results.append(error)
-        return results
-
-    def end(self, session_id: str) -> bool:
-        return self.table.end(session_id)
-
-    def info(self) -> WorkerInfo:
-        return WorkerInfo(
-            "draft", "ngram", "", self.vocab_size or 0, 0, self.table.num_slots, len(self.table)
-        )

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from workers.draft.ngram import NgramDrafter
 from workers.engine.sessions import SessionTable
 from workers.loop.driver import Pair, generate
 from workers.loop.state import Generation, Plan
@@ -40,6 +41,7 @@ from workers.protocol import (
     WorkerDown,
     WorkerInfo,
     as_worker_error,
+    check_pair,
 )
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree
@@ -112,8 +114,8 @@ class InProcessTarget(InProcessWorker):
     async def verify(self, call: VerifyCall) -> VerifyOutcome:
         return self.unwrap((await self.run(lambda: self.runner.verify([call])))[0])
 
-    async def end(self, session_id: str) -> None:
-        await self.run(lambda: self.runner.end(session_id))
+    async def end(self, session_id: str) -> bool:
+        return await self.run(lambda: self.runner.end(session_id))
 
     async def info(self) -> WorkerInfo:
         return await self.run(self.runner.info)
@@ -132,8 +134,8 @@ class InProcessDraft(InProcessWorker):
     async def verify(self, call: VerifyCall) -> VerifyOutcome:
         raise InvalidCall("a draft worker does not verify")
 
-    async def end(self, session_id: str) -> None:
-        await self.run(lambda: self.drafter.end(session_id))
+    async def end(self, session_id: str) -> bool:
+        return await self.run(lambda: self.drafter.end(session_id))
 
     async def info(self) -> WorkerInfo:
         return await self.run(self.drafter.info)
@@ -141,8 +143,6 @@ class InProcessDraft(InProcessWorker):
 
 def local_ngram_draft(max_sessions: int) -> InProcessDraft:
     """The in-gateway prompt-lookup draft: no thread, no model, no network hop."""
-    from workers.draft.runner import NgramDrafter
-
     return InProcessDraft("gateway:ngram", NgramDrafter(SessionTable(max_sessions)), threaded=False)
 
 
@@ -197,10 +197,9 @@ def build_local(
     `draft_model`: a model (alias, directory, .gguf, HF id), "ngram" or "none"."""
     from dataclasses import replace
 
-    from workers.draft.runner import ModelDrafter, NgramDrafter
+    from workers.draft.runner import ModelDrafter
     from workers.engine.engine import Engine
     from workers.engine.text import stop_token_ids
-    from workers.protocol import IncompatibleWorkers
     from workers.target.runner import TargetRunner
 
     engine = Engine.load(target)
@@ -211,8 +210,5 @@ def build_local(
     elif draft_model != "none":
         draft = Engine.load(replace(target, model=draft_model))
         drafter = ModelDrafter(draft, SessionTable(draft.num_slots))
-        if not drafter.info().pairs_with(runner.info().tokenizer_fingerprint):
-            raise IncompatibleWorkers(
-                f"draft {draft_model!r} and target {target.model!r} use different tokenizers"
-            )
+        check_pair(drafter.info(), runner.info())
     return LocalDecoder(runner, drafter, spec, stop_token_ids(engine.tokenizer)), engine

@@ -17,6 +17,7 @@ from workers.protocol.calls import (
     VerifyCall,
     VerifyOutcome,
     WorkerInfo,
+    check_pair,
 )
 from workers.protocol.errors import (
     IncompatibleWorkers,
@@ -46,4 +47,5 @@ __all__ = [
     "WorkerError",
     "WorkerInfo",
     "as_worker_error",
+    "check_pair",
 ]

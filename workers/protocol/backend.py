@@ -26,8 +26,8 @@ class Backend(Protocol):
 
     async def verify(self, call: VerifyCall) -> VerifyOutcome: ...
 
-    async def end(self, session_id: str) -> None:
-        """Frees the session; ending an unknown session is not an error."""
+    async def end(self, session_id: str) -> bool:
+        """Frees the session; returns whether the worker held it (an unknown one is no error)."""
 
     async def health(self) -> bool:
         """True when the worker is serving."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers.protocol.errors import IncompatibleWorkers
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree
 
@@ -97,3 +98,17 @@ class WorkerInfo:
         """Whether this worker's token ids mean the same as a tokenizer's with `fingerprint`."""
         mine = self.tokenizer_fingerprint
         return not mine or not fingerprint or mine == fingerprint
+
+
+def check_pair(draft: WorkerInfo, target: WorkerInfo) -> None:
+    """Raises IncompatibleWorkers unless the draft's token ids mean the same to the target."""
+    if draft.role != "draft" or target.role != "target":
+        raise IncompatibleWorkers(
+            f"expected a draft and a target worker, got {draft.role!r} and {target.role!r}"
+        )
+    if not draft.pairs_with(target.tokenizer_fingerprint):
+        raise IncompatibleWorkers(
+            f"draft {draft.model_id!r} and target {target.model_id!r} use different tokenizers "
+            f"(fingerprints {draft.tokenizer_fingerprint} and {target.tokenizer_fingerprint}): "
+            "draft token ids would mean other text to the target"
+        )

@@ -1,18 +1,20 @@
-"""Clients of the draft and target workers, speaking the runners' dataclasses.
+"""A worker over gRPC, as the Backend the loop and the gateway call.
 
-    async with TargetClient("10.0.0.7:50051") as target, DraftClient(...) as draft:
-        check_pair(await draft.info(), await target.info())
-        tree = (await draft.propose(ProposeCall(sid, 0, prompt, spec))).tree
-        outcome = (await target.verify(VerifyCall(sid, 0, prompt, tree, params))).outcome
+    target = GrpcBackend("target", "10.0.0.7:50051")
+    draft = GrpcBackend("draft", "10.0.0.8:50052")
+    check_pair(await draft.info(), await target.info())
+    tree = await draft.propose(ProposeCall(sid, 0, prompt, spec))
+    outcome = await target.verify(VerifyCall(sid, 0, prompt, tree, params))
 
-Failed calls raise what the worker's runner raised (see workers/rpc/errors.py):
-SessionLost (re-send the history with base_len 0), WorkerBusy,
-InvalidRequest (a ValueError), or WorkerError for anything else (down,
-deadline, internal).
+One grpc.aio channel per worker, reconnecting within a second or two of a
+worker (re)starting. Every failed call raises a workers.protocol error
+(workers/rpc/status.py): SessionLost, WorkerBusy, InvalidCall, or WorkerDown
+for anything else (unreachable, deadline, internal, a dropped connection).
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import grpc
@@ -20,31 +22,30 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto.specsplit.v1 import specsplit_pb2 as pb
 from proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
-from workers.protocol import ProposeCall, Timings, VerifyCall, VerifyOutcome, WorkerInfo
+from workers.protocol import (
+    InvalidCall,
+    ProposeCall,
+    Role,
+    VerifyCall,
+    VerifyOutcome,
+    WorkerDown,
+    WorkerInfo,
+    as_worker_error,
+)
 from workers.rpc import convert
-from workers.rpc.errors import raise_for_status
-from workers.speculation.sampling import SamplingParams
+from workers.rpc.status import error_of
 from workers.speculation.tree import TokenTree
 
+# reconnect within a second or two of a worker (re)starting, not after gRPC's default
+# backoff of up to two minutes: health checks and failover depend on it
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
 
-class IncompatibleWorkers(ValueError):
-    """A draft and a target that must not be paired."""
-
-
-def check_pair(draft: WorkerInfo, target: WorkerInfo) -> None:
-    """Raises IncompatibleWorkers unless the draft's token ids mean the same to the target."""
-    if draft.role != "draft" or target.role != "target":
-        raise IncompatibleWorkers(
-            f"expected a draft and a target worker, got {draft.role!r} and {target.role!r}"
-        )
-    if draft.tokenizer_fingerprint and (
-        draft.tokenizer_fingerprint != target.tokenizer_fingerprint
-    ):
-        raise IncompatibleWorkers(
-            f"draft {draft.model_id!r} and target {target.model_id!r} use different tokenizers "
-            f"(fingerprints {draft.tokenizer_fingerprint} and {target.tokenizer_fingerprint}): "
-            "draft token ids would mean other text to the target"
-        )
+STUBS = {"draft": pb_grpc.DraftServiceStub, "target": pb_grpc.TargetServiceStub}
 
 
 @dataclass
@@ -56,96 +57,78 @@ class Wire:
     response_bytes: int = 0
 
 
-@dataclass(frozen=True)
-class Proposal:
-    tree: TokenTree
-    timings: Timings
+class GrpcBackend:
+    """One draft or target worker at `address` ("host:port")."""
 
-
-@dataclass(frozen=True)
-class Verified:
-    outcome: VerifyOutcome
-    timings: Timings
-
-
-class WorkerClient:
-    """What both workers answer: Info, EndSession, health."""
-
-    stub_class: type = object
-
-    def __init__(self, target: str | grpc.aio.Channel, timeout: float | None = None):
-        """`target` is "host:port" (the client owns the channel) or an open channel."""
-        self._owns_channel = isinstance(target, str)
-        self.channel = grpc.aio.insecure_channel(target) if isinstance(target, str) else target
-        self.stub = self.stub_class(self.channel)
+    def __init__(self, role: Role, address: str, timeout_s: float | None = 60.0):
+        self.role = role
+        self.address = address
+        self.timeout_s = timeout_s  # per-call deadline; None = none
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = STUBS[role](self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
-        self.timeout = timeout  # per-call deadline in seconds; None = none
         self.wire = Wire()
 
     async def call(self, method: str, request):
         try:
-            response = await getattr(self.stub, method)(request, timeout=self.timeout)
+            response = await getattr(self.stub, method)(request, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as error:
-            raise_for_status(error)
+            raise error_of(error) from error
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a closed channel, a bad message, ...
+            raise WorkerDown(f"{type(error).__name__}: {error}") from error
         self.wire.calls += 1
         self.wire.request_bytes += request.ByteSize()
         self.wire.response_bytes += response.ByteSize()
         return response
 
-    async def info(self) -> WorkerInfo:
-        return convert.info_from_proto(await self.call("Info", pb.InfoRequest()))
+    async def propose(self, call: ProposeCall) -> TokenTree:
+        if self.role != "draft":
+            raise InvalidCall("a target worker does not propose")
+        response = await self.call("Propose", convert.propose_request(call))
+        try:
+            return convert.tree_from_proto(response.tree)
+        except ValueError as error:
+            raise as_worker_error(error) from error
 
-    async def end_session(self, session_id: str) -> bool:
-        """Frees the session on the worker; returns whether the worker held it."""
+    async def verify(self, call: VerifyCall) -> VerifyOutcome:
+        if self.role != "target":
+            raise InvalidCall("a draft worker does not verify")
+        return convert.verify_outcome(await self.call("Verify", convert.verify_request(call)))
+
+    async def end(self, session_id: str) -> bool:
         response = await self.call("EndSession", pb.EndSessionRequest(session_id=session_id))
         return response.found
 
-    async def health(self, timeout: float = 2.0) -> bool:
+    async def health(self, timeout_s: float = 2.0) -> bool:
         """True when the worker's health service says SERVING; False otherwise or unreachable."""
         try:
             response = await self.health_stub.Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
             )
         except grpc.aio.AioRpcError:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
 
-    async def close(self) -> None:
-        if self._owns_channel:
-            await self.channel.close()
+    async def info(self) -> WorkerInfo:
+        return convert.info_from_proto(await self.call("Info", pb.InfoRequest()))
 
-    async def __aenter__(self):
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> GrpcBackend:
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
 
-class DraftClient(WorkerClient):
-    stub_class = pb_grpc.DraftServiceStub
+class GrpcFactory:
+    """A BackendFactory that dials each address over gRPC."""
 
-    async def propose(self, call: ProposeCall) -> Proposal:
-        response = await self.call("Propose", convert.propose_request(call))
-        return Proposal(
-            convert.tree_from_proto(response.tree), convert.timings_from_proto(response.timings)
-        )
+    def __init__(self, timeout_s: float | None = 60.0):
+        self.timeout_s = timeout_s
 
-
-class TargetClient(WorkerClient):
-    stub_class = pb_grpc.TargetServiceStub
-
-    async def verify(self, call: VerifyCall) -> Verified:
-        response = await self.call("Verify", convert.verify_request(call))
-        return Verified(
-            convert.verify_outcome(response), convert.timings_from_proto(response.timings)
-        )
-
-    async def prefill(
-        self, session_id: str, prompt: list[int], params: SamplingParams, num_logprobs: int = -1
-    ) -> Verified:
-        """Starts the session from its prompt; the outcome's `emitted` is the first token."""
-        request = convert.prefill_request(session_id, prompt, params, num_logprobs)
-        response = await self.call("Prefill", request)
-        return Verified(
-            convert.verify_outcome(response), convert.timings_from_proto(response.timings)
-        )
+    def __call__(self, role: Role, address: str) -> GrpcBackend:
+        return GrpcBackend(role, address, self.timeout_s)

@@ -168,31 +168,13 @@ def verify_call(msg: pb.VerifyRequest) -> VerifyCall:
     )
 
 
-def prefill_request(
-    session_id: str, prompt: list[int], params: SamplingParams, num_logprobs: int = -1
-) -> pb.PrefillRequest:
-    return pb.PrefillRequest(
-        session_id=session_id,
-        tokens=prompt,
-        sampling=params_to_proto(params),
-        **_logprobs_field(num_logprobs),
-    )
-
-
-def prefill_call(msg: pb.PrefillRequest) -> VerifyCall:
-    """A prefill is a verify that starts over from the prompt with an empty tree."""
-    params = params_from_proto(msg.sampling)
-    tokens = list(msg.tokens)
-    return VerifyCall(_session_id(msg), 0, tokens, TokenTree.empty(), params, _num_logprobs(msg))
-
-
-def verify_response(outcome: VerifyOutcome, timings: Timings) -> pb.VerifyResponse:
+def verify_response(outcome: VerifyOutcome) -> pb.VerifyResponse:
     msg = pb.VerifyResponse(
         accepted=outcome.accepted,
         emitted=outcome.emitted,
         bonus=outcome.emitted[-1],
         prefix_hit=outcome.prefix_hit,
-        timings=timings_to_proto(timings),
+        timings=timings_to_proto(outcome.timings),
     )
     for lp in outcome.logprobs or []:
         top = [pb.TopLogprob(token=t, logprob=v) for t, v in lp.top]
@@ -205,7 +187,13 @@ def verify_outcome(msg: pb.VerifyResponse) -> VerifyOutcome:
         TokenLogprob(lp.token, lp.logprob, [(t.token, t.logprob) for t in lp.top])
         for lp in msg.logprobs
     ]
-    return VerifyOutcome(list(msg.accepted), list(msg.emitted), logprobs or None, msg.prefix_hit)
+    return VerifyOutcome(
+        list(msg.accepted),
+        list(msg.emitted),
+        logprobs or None,
+        msg.prefix_hit,
+        timings_from_proto(msg.timings),
+    )
 
 
 # -- info ----------------------------------------------------------------------------------

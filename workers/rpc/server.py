@@ -20,12 +20,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from workers.engine.engine import Engine
 from workers.engine.sessions import SessionTable
-from workers.protocol import WorkerInfo
 from workers.rpc.batcher import Batcher, EngineThread
-from workers.rpc.errors import ErrorInterceptor
 from workers.rpc.metrics import WorkerMetrics
+from workers.rpc.status import ErrorInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -42,34 +40,11 @@ class ServerOptions:
     grace_s: float = 10.0  # then, how long in-flight calls may take to finish
 
 
-def engine_info(role: str, engine: Engine, max_tree_nodes: int) -> WorkerInfo:
-    """What Info reports for a model worker (live_sessions filled in per call)."""
-    from workers.engine.loader import tokenizer_fingerprint
-
-    tokenizer = engine.tokenizer
-    if tokenizer is None:  # a test model: the vocabulary size is all there is to compare
-        fingerprint, eos = f"vocab:{engine.vocab_size}", ()
-    else:
-        fingerprint = tokenizer_fingerprint(tokenizer)
-        eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
-    return WorkerInfo(
-        role=role,
-        model_id=engine.model_id,
-        tokenizer_fingerprint=fingerprint,
-        vocab_size=engine.vocab_size,
-        context_length=engine.context_length,
-        max_sessions=engine.num_slots,
-        live_sessions=0,
-        eos_token_ids=eos,
-        max_tree_nodes=max_tree_nodes,
-    )
-
-
 @dataclass
 class WorkerServer:
     role: str  # "draft" or "target"
     service_name: str  # full gRPC name, e.g. specsplit.v1.TargetService
-    servicer: object  # the DraftServicer / TargetServicer
+    servicer: object  # the WorkerServicer
     server: grpc.aio.Server
     port: int  # the bound gRPC port
     health: health_aio.HealthServicer
@@ -166,6 +141,3 @@ class WorkerServer:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
         self._stopped.set()
-
-    async def wait_closed(self) -> None:
-        await self._stopped.wait()

@@ -199,11 +199,6 @@ class TargetServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
-                '/specsplit.v1.TargetService/Prefill',
-                request_serializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyResponse.FromString,
-                _registered_method=True)
         self.Verify = channel.unary_unary(
                 '/specsplit.v1.TargetService/Verify',
                 request_serializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyRequest.SerializeToString,
@@ -225,18 +220,11 @@ class TargetServiceServicer:
     """Verifies draft trees with the target model, batching calls across sessions.
     """
 
-    def Prefill(self, request, context):
-        """Starts (or restarts) a session from its prompt and returns the first token:
-        a Verify with base_len 0 and an empty tree. `accepted` is empty and
-        `emitted` holds the one token.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Verify(self, request, context):
         """Syncs the session's history, verifies the tree in one forward and commits
-        the accepted path plus the bonus token to the session's history.
+        the accepted path plus the bonus token to the session's history. With
+        base_len 0 and an empty tree it (re)starts the session from its prompt and
+        returns the first token: `accepted` is empty and `emitted` holds the one token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -259,11 +247,6 @@ class TargetServiceServicer:
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
-                    servicer.Prefill,
-                    request_deserializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.PrefillRequest.FromString,
-                    response_serializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyResponse.SerializeToString,
-            ),
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
                     request_deserializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyRequest.FromString,
@@ -290,33 +273,6 @@ def add_TargetServiceServicer_to_server(servicer, server):
 class TargetService:
     """Verifies draft trees with the target model, batching calls across sessions.
     """
-
-    @staticmethod
-    def Prefill(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specsplit.v1.TargetService/Prefill',
-            proto_dot_specsplit_dot_v1_dot_specsplit__pb2.PrefillRequest.SerializeToString,
-            proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def Verify(request,

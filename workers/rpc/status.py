@@ -1,11 +1,11 @@
-"""Exceptions <-> gRPC status codes, for the server and the client, in one place.
+"""Worker errors <-> gRPC status codes, both ways, in one table.
 
-Server side, `ErrorInterceptor` wraps every SpecSplit method: the service code
-raises the runner's own exceptions and the interceptor turns them into a
-status (logging the unexpected ones), counts the call, and tracks in-flight
-calls for graceful shutdown. Client side, `raise_for_status` turns the status
-back into the same exceptions, so a caller writes `except SessionLost:`
-whether the runner is in-process or behind gRPC.
+Server side, `ErrorInterceptor` wraps every SpecSplit method: the runners
+raise workers.protocol errors (or a ValueError for a malformed call) and the
+interceptor turns them into a status (logging the unexpected ones), counts
+the call, and tracks in-flight calls for graceful shutdown. Client side,
+`error_of` turns the status back into the same error, so the loop writes
+`except SessionLost:` whether the worker is in-process or behind gRPC.
 """
 
 from __future__ import annotations
@@ -16,34 +16,25 @@ from collections.abc import Callable
 
 import grpc
 
-from workers.protocol import SessionLost, WorkerBusy
+from workers.protocol import InvalidCall, SessionLost, WorkerBusy, WorkerDown, WorkerError
 
 log = logging.getLogger(__name__)
 
 SERVICE_PREFIX = "/specsplit.v1."  # methods of this package are wrapped; health is not
 
-# first match wins: TreeError is a ValueError, SessionLost a KeyError
-STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (SessionLost, grpc.StatusCode.NOT_FOUND),
-    (WorkerBusy, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-]
-
-
-class InvalidRequest(ValueError):
-    """The worker rejected the request as malformed (INVALID_ARGUMENT)."""
-
-
-class WorkerError(RuntimeError):
-    """Any other failed call: the worker is down, overloaded, timed out, or hit a bug."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
+# the one mapping; anything else is INTERNAL on the server and WorkerDown on the client
+CODES: dict[type[WorkerError], grpc.StatusCode] = {
+    SessionLost: grpc.StatusCode.NOT_FOUND,
+    WorkerBusy: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    InvalidCall: grpc.StatusCode.INVALID_ARGUMENT,
+}
 
 
 def status_of(error: BaseException) -> grpc.StatusCode:
-    for kind, code in STATUS_OF:
+    """The status a runner's exception is answered with (a ValueError is an InvalidCall)."""
+    if isinstance(error, ValueError):  # InvalidCall, TreeError, a parameter out of range
+        return CODES[InvalidCall]
+    for kind, code in CODES.items():
         if isinstance(error, kind):
             return code
     return grpc.StatusCode.INTERNAL
@@ -55,16 +46,14 @@ def details_of(error: BaseException, code: grpc.StatusCode) -> str:
     return str(error)
 
 
-def raise_for_status(error: grpc.aio.AioRpcError) -> None:
-    """Re-raises a failed call as the exception the worker raised (see STATUS_OF)."""
+def error_of(error: grpc.aio.AioRpcError) -> WorkerError:
+    """The worker error a failed call's status stands for: UNAVAILABLE (the process is gone),
+    DEADLINE_EXCEEDED, INTERNAL, a dropped connection and the rest are WorkerDown."""
     code, details = error.code(), error.details() or ""
-    if code == grpc.StatusCode.NOT_FOUND:
-        raise SessionLost(details) from error
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        raise WorkerBusy(details) from error
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        raise InvalidRequest(details) from error
-    raise WorkerError(code, details) from error
+    kind = next((kind for kind, known in CODES.items() if known == code), None)
+    if kind is None:
+        return WorkerDown(f"{code.name}: {details}")
+    return kind(details)
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

@@ -1,0 +1,47 @@
+"""The model-free drafter: prompt lookup over each session's history.
+
+It answers the same `propose(calls) -> [TokenTree | Exception]` as
+`ModelDrafter` and loads no model, so the gateway can run it in-process.
+"""
+
+from __future__ import annotations
+
+from workers.engine.sessions import SessionTable
+from workers.protocol import ProposeCall, WorkerInfo
+from workers.speculation.ngram import ngram_tree
+from workers.speculation.tree import TokenTree, check_tokens
+
+
+class NgramDrafter:
+    """Prompt lookup over each session's history; needs no model and no KV."""
+
+    def __init__(self, table: SessionTable, vocab_size: int | None = None):
+        self.table = table
+        self.vocab_size = vocab_size
+
+    def propose(self, calls: list[ProposeCall]) -> list[TokenTree | Exception]:
+        results: list[TokenTree | Exception] = []
+        for call in calls:
+            try:
+                if self.vocab_size is not None:
+                    check_tokens(call.tokens, self.vocab_size)
+                synced = self.table.sync(call.session_id, call.base_len, call.tokens, rollback=True)
+                spec = call.spec
+                if spec.depth == 0 or spec.budget == 0:
+                    results.append(TokenTree.empty())
+                else:
+                    history = synced.session.committed
+                    chain = spec.branching == 1
+                    tree = ngram_tree(history, depth=spec.depth, budget=spec.budget, chain=chain)
+                    results.append(tree)
+            except Exception as error:  # noqa: BLE001 - returned to that caller only
+                results.append(error)
+        return results
+
+    def end(self, session_id: str) -> bool:
+        return self.table.end(session_id)
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            "draft", "ngram", "", self.vocab_size or 0, 0, self.table.num_slots, len(self.table)
+        )

@@ -1,0 +1,170 @@
+"""One servicer for both roles, and `serve_role`, which starts a worker of either.
+
+Methods are thin: request -> call (convert; a draft's tree policy is checked
+against the worker's limit and fitted to the session's cache) -> the batcher,
+which hands the calls of all sessions to one runner step on the engine
+thread (`propose(calls)` for a drafter, `verify(calls)` for the target) ->
+response. Errors are raised as the runners raise them; the interceptor
+(workers/rpc/status.py) maps them to status codes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from proto.specsplit.v1 import specsplit_pb2 as pb
+from proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from workers.draft.ngram import NgramDrafter
+from workers.draft.runner import ModelDrafter
+from workers.engine.sessions import SessionTable
+from workers.protocol import ProposeCall, Role, TreeSpec, VerifyCall
+from workers.rpc import convert
+from workers.rpc.batcher import ACTIVE_S, Batcher, EngineThread
+from workers.rpc.metrics import MeteredEngine, WorkerMetrics
+from workers.rpc.server import WorkerServer
+from workers.target.runner import TargetRunner
+
+if TYPE_CHECKING:
+    from workers.engine.engine import Engine
+    from workers.worker import WorkerSettings
+
+Runner = ModelDrafter | NgramDrafter | TargetRunner
+
+
+@dataclass(frozen=True)
+class Service:
+    """What differs between the roles on the wire."""
+
+    name: str  # the full gRPC service name, e.g. specsplit.v1.TargetService
+    register: Callable[[object, object], None]  # adds a servicer to a grpc.aio server
+
+
+SERVICES: dict[Role, Service] = {
+    "draft": Service(
+        pb.DESCRIPTOR.services_by_name["DraftService"].full_name,
+        pb_grpc.add_DraftServiceServicer_to_server,
+    ),
+    "target": Service(
+        pb.DESCRIPTOR.services_by_name["TargetService"].full_name,
+        pb_grpc.add_TargetServiceServicer_to_server,
+    ),
+}
+
+
+def check_spec(spec: TreeSpec, max_nodes: int) -> None:
+    """Rejects policies that would make the worker do unbounded work."""
+    for name in ("depth", "branching", "budget"):
+        if getattr(spec, name) > max_nodes:
+            raise ValueError(
+                f"tree {name} {getattr(spec, name)} is over this worker's limit of {max_nodes}"
+            )
+
+
+def fit_spec(spec: TreeSpec, history_len: int, cache_len: int) -> TreeSpec:
+    """Shrinks the depth so the tree being expanded fits in the session's cache slot.
+
+    Expanding feeds the history's uncached tail, then at each later level at
+    most `branching` nodes, so the slot holds at most
+    history_len + (depth - 1) * branching entries.
+    """
+    room = cache_len - history_len
+    depth = min(spec.depth, 1 + room // spec.branching) if room > 0 else 0
+    return spec if depth == spec.depth else replace(spec, depth=depth)
+
+
+def propose_cost(call: ProposeCall) -> int:
+    """Tokens a call feeds, at most: what it brings plus one level of nodes per depth."""
+    return len(call.tokens) + call.spec.depth * call.spec.branching + 1
+
+
+def verify_cost(call: VerifyCall) -> int:
+    """Tokens a call feeds, at most: what it brings plus its tree and the re-fed root."""
+    return len(call.tokens) + len(call.tree) + 1
+
+
+class WorkerServicer(pb_grpc.DraftServiceServicer, pb_grpc.TargetServiceServicer):
+    """Propose (a draft), Verify (a target), EndSession and Info (both)."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        batcher: Batcher,
+        thread: EngineThread,
+        max_tree_nodes: int,
+        cache_len: int = 0,
+    ):
+        self.runner = runner
+        self.batcher = batcher
+        self.thread = thread
+        self.max_tree_nodes = max_tree_nodes
+        self.cache_len = cache_len  # a model draft's entries per session slot; 0 = no cache
+
+    async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
+        call = convert.propose_call(request)
+        check_spec(call.spec, self.max_tree_nodes)
+        if self.cache_len:
+            history = call.base_len + len(call.tokens)
+            call = replace(call, spec=fit_spec(call.spec, history, self.cache_len))
+        tree, timings = await self.batcher.submit(call)
+        return convert.propose_response(tree, timings)
+
+    async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
+        outcome, timings = await self.batcher.submit(convert.verify_call(request))
+        return convert.verify_response(replace(outcome, timings=timings))
+
+    async def EndSession(self, request: pb.EndSessionRequest, context) -> pb.EndSessionResponse:
+        found = await self.thread.run(self.runner.end, request.session_id)
+        return pb.EndSessionResponse(found=found)
+
+    async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
+        info = replace(self.runner.info(), max_tree_nodes=self.max_tree_nodes)
+        return convert.info_to_proto(info)
+
+
+def runner_for(
+    role: Role, engine: Engine | None, settings: WorkerSettings, metrics: WorkerMetrics
+) -> tuple[Runner, int]:
+    """The role's runner over `engine` (None: the n-gram drafter) and its cache entries per slot."""
+    idle_s = settings.idle_timeout_s
+    if engine is None:
+        if role == "target":
+            raise ValueError("the target needs a model; 'ngram' is a draft only")
+        return NgramDrafter(SessionTable(settings.max_sessions, idle_s)), 0
+    metered = MeteredEngine(engine, metrics.observe_forward)
+    table = SessionTable(engine.num_slots, idle_s)
+    if role == "target":
+        return TargetRunner(metered, table, settings.max_tree_nodes), 0
+    return ModelDrafter(metered, table), engine.context_length + engine.max_tree_nodes
+
+
+async def serve_role(role: Role, engine: Engine | None, settings: WorkerSettings) -> WorkerServer:
+    """Starts a `role` worker over `engine`, or a model-free n-gram draft worker when None."""
+    metrics = WorkerMetrics(role)
+    runner, cache_len = runner_for(role, engine, settings, metrics)
+    thread = EngineThread(f"{role}-engine")
+    target = role == "target"
+    batcher = Batcher(
+        runner.verify if target else runner.propose,
+        thread,
+        key=lambda call: call.session_id,
+        cost=verify_cost if target else propose_cost,
+        wait_s=settings.batch_wait_ms / 1000,
+        max_tokens=settings.max_batch_tokens,
+        on_batch=metrics.observe_batch,
+        held_sessions=lambda: runner.table.active(ACTIVE_S),
+    )
+    servicer = WorkerServicer(runner, batcher, thread, settings.max_tree_nodes, cache_len)
+    service = SERVICES[role]
+    return await WorkerServer.start(
+        role,
+        service.name,
+        servicer,
+        service.register,
+        batcher,
+        thread,
+        runner.table,
+        metrics,
+        settings.server_options(),
+    )
