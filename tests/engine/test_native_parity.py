@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from tests.engine.tiny import tiny_engine, tiny_hf_model
-from workers.engine.engine import Engine, EngineConfig, SlotInput
+from workers.engine.batch import SlotInput
+from workers.engine.engine import Engine, EngineConfig
 
 KINDS = ["llama", "qwen2", "llama3"]
 

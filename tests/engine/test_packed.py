@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from tests.engine.tiny import tiny_hf_model
-from workers.engine.engine import Engine, EngineConfig, SlotInput
+from workers.engine.batch import SlotInput
+from workers.engine.engine import Engine, EngineConfig
 from workers.engine.packed import PackedLinear, can_pack, pack_linears
 
 needs_packing = pytest.mark.skipif(

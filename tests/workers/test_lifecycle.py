@@ -43,7 +43,7 @@ async def read_port(stream: asyncio.StreamReader) -> int:
 async def test_worker_command_serves_and_drains_on_sigterm():
     env = {**os.environ, "SPECSPLIT_MAX_SESSIONS": "5"}  # flags and environment both work
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "workers.cli", "worker", "draft", "--model", "ngram",
+        sys.executable, "-m", "workers.tools.cli", "worker", "draft", "--model", "ngram",
         "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--drain-s", "0.5",
         cwd=ROOT, env=env, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

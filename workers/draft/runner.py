@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workers.engine.engine import Engine, SlotInput
+from workers.engine.batch import SlotInput
+from workers.engine.engine import Engine
 from workers.engine.sessions import Session, SessionTable
 from workers.protocol import ProposeCall, WorkerInfo
 from workers.speculation.policy import TreeBuilder, TreePolicy, choose_children, tree_policy

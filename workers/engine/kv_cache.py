@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from workers.engine.llama import ForwardBatch, RowGroup
+    from workers.engine.batch import ForwardBatch, RowGroup
 
 
 class SlotKVCache:
@@ -62,8 +62,3 @@ class SlotKVCache:
         for cache in (self.k, self.v):
             rows = cache[:, slot]  # (Ly, Hkv, C, D), a view
             rows[:, :, dst] = rows[:, :, src]
-
-    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
-        """Copies the first `length` entries of one slot into another (prefix reuse)."""
-        for cache in (self.k, self.v):
-            cache[:, dst_slot, :, :length] = cache[:, src_slot, :, :length]

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from workers.engine.batch import ForwardBatch, RowGroup
 from workers.engine.kv_cache import SlotKVCache
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -65,38 +66,6 @@ class LlamaShape:
             rms_norm_eps=config.rms_norm_eps,
             max_positions=config.max_position_embeddings,
         )
-
-
-@dataclass(frozen=True)
-class RowGroup:
-    """Rows of a batch with the same number of new tokens T: one attention call."""
-
-    # (G * T,) long: their tokens among the N, row after row; None: the group is every row
-    tokens: torch.Tensor | None
-    slots: torch.Tensor  # (G,) long: their cache slots
-    new: int  # T: new tokens per row
-    width: int  # L: cache entries their attention reads
-    mask: torch.Tensor  # (G, 1, T, L) bool: which cache entries each new token sees
-
-
-@dataclass(frozen=True)
-class ForwardBatch:
-    """New tokens of B slots for one forward: N = sum(T_b) tokens, row after row, unpadded.
-
-    Each slot has a committed prefix (visible to every new token) followed by
-    an uncommitted region of U tokens laid out as a tree; this forward feeds the
-    last T_b tokens of that region (the first U - T_b are already cached).
-    Every layer runs on the N tokens as they are, so a long prefill batched
-    with one-token decodes costs what its tokens cost; attention runs once per
-    group of rows with equal T_b (decodes together, each prefill apart).
-    """
-
-    tokens: torch.Tensor  # (N,) long: new tokens
-    positions: torch.Tensor  # (N,) long: RoPE positions
-    token_slots: torch.Tensor  # (N,) long: the cache slot of each token
-    token_columns: torch.Tensor  # (N,) long: the cache column each token's key/value goes to
-    groups: list[RowGroup]
-    ends: list[int]  # (B,): where each row's tokens end among the N
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from workers.engine.engine import SlotInput
+from workers.engine.batch import SlotInput
 from workers.engine.sessions import SessionTable
 from workers.rpc.batcher import BatchReport
 

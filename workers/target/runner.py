@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.engine import Engine, SlotInput
+from workers.engine.batch import SlotInput
+from workers.engine.engine import Engine
 from workers.engine.sessions import Session, SessionTable
 from workers.protocol import TokenLogprob, VerifyCall, VerifyOutcome, WorkerInfo
 from workers.speculation.sampling import TARGET_STREAM, round_generator
