@@ -11,6 +11,7 @@ from gateway.errors import APIError, bad_request, unsupported
 from gateway.generation import GenerationRequest
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from gateway.settings import GatewayOptions
+from workers.engine.text import encode_chat
 from workers.speculation.sampling import SamplingParams
 
 
@@ -42,10 +43,9 @@ def chat_prompt(tokenizer, messages: list[ChatMessage]) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
         raise bad_request("the model has no chat template: use /v1/completions", "messages")
     try:
-        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        return encode_chat(tokenizer, turns)
     except Exception as error:  # templates raise on conversations they do not accept
         raise bad_request(f"the chat template refused the messages: {error}", "messages") from error
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def completion_prompts(tokenizer, prompt, vocab_size: int) -> list[list[int]]:
