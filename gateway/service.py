@@ -130,17 +130,7 @@ class Gateway:
         body.refuse_unsupported()
         prompt = chat_prompt(self.tokenizer, body.messages)
         plan = self.plan(body, [prompt], request)
-        fmt = Format(
-            chat=True,
-            model=body.model,
-            tokens=self.token_text,
-            choices=plan.choices,
-            include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            speculation_stats=body.speculation_stats,
-            num_logprobs=plan.num_logprobs,
-            n=plan.n,
-        )
-        return await self.respond(plan, fmt, "chat", body.stream, request)
+        return await self.respond(plan, self.format(body, plan), "chat", body.stream, request)
 
     async def completions(self, body: CompletionRequest, request: Request):
         self.check_model(body.model)
@@ -152,17 +142,7 @@ class Gateway:
             echo = [self.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
             if isinstance(body.prompt, str):
                 echo = [body.prompt]
-        fmt = Format(
-            chat=False,
-            model=body.model,
-            tokens=self.token_text,
-            choices=plan.choices,
-            include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            speculation_stats=body.speculation_stats,
-            num_logprobs=plan.num_logprobs,
-            echo=echo,
-            n=plan.n,
-        )
+        fmt = self.format(body, plan, echo)
         return await self.respond(plan, fmt, "completions", body.stream, request)
 
     # --- helpers -----------------------------------------------------------
@@ -176,6 +156,20 @@ class Gateway:
                 "model",
                 "model_not_found",
             )
+
+    def format(self, body, plan: GenerationRequest, echo: list[str] | None = None) -> Format:
+        """How a chat (no echo) or completion response is written."""
+        return Format(
+            chat=isinstance(body, ChatCompletionRequest),
+            model=body.model,
+            tokens=self.token_text,
+            choices=plan.choices,
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            speculation_stats=body.speculation_stats,
+            num_logprobs=plan.num_logprobs,
+            echo=echo,
+            n=plan.n,
+        )
 
     def plan(self, body, prompts: list[list[int]], request: Request) -> GenerationRequest:
         context = self.router.context_length() or getattr(self.tokenizer, "model_max_length", 2048)
