@@ -101,7 +101,7 @@ def start_worker(role: str, model: str, s: ServeSettings) -> Child:
         max_sessions=s.worker_max_sessions, drain_s=0.0,  # the gateway stops first
         **engine,
     )  # fmt: skip
-    command = [sys.executable, "-m", "workers.cli", "worker", *to_argv(worker, ("role",))]
+    command = [sys.executable, "-m", "workers.tools.cli", "worker", *to_argv(worker, ("role",))]
     preexec = die_with_parent if sys.platform.startswith("linux") else None
     process = subprocess.Popen(command, preexec_fn=preexec)  # noqa: PLW1509 - prctl only
     log.info("started %s worker pid %d on 127.0.0.1:%d", role, process.pid, port)

@@ -6,11 +6,11 @@ import csv
 
 import pytest
 
-from workers.benchmarks import report
-from workers.benchmarks.measure import Figures, Timed, histogram_quantile, percentile
-from workers.benchmarks.serving import ServeConfig, spread_tokens
-from workers.benchmarks.suite import BenchSettings, Result, Run, serve_configs
-from workers.benchmarks.workloads import messages
+from workers.tools.bench import report
+from workers.tools.bench.measure import Figures, Timed, histogram_quantile, percentile
+from workers.tools.bench.serving import ServeConfig, spread_tokens
+from workers.tools.bench.suite import BenchSettings, Result, Run, serve_configs
+from workers.tools.bench.workloads import messages
 
 
 def timed(start: float, chunks: list[tuple[float, int]], stats: dict | None = None) -> Timed:

@@ -2,9 +2,9 @@
 
 import torch
 
-from workers.benchmarks.ceiling import accepted, replay_tau
 from workers.speculation.ngram import ngram_tree
 from workers.speculation.tree import TokenTree
+from workers.tools.bench.ceiling import accepted, replay_tau
 
 
 def test_accepted_follows_the_matching_branch():

@@ -60,7 +60,7 @@ def test_unknown_model_fails_with_one_clear_message(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "SPECSPLIT_MODEL_CACHE": str(tmp_path)}
     args = ["generate", "--prompt", "hi", "--target-model", "no-such-org/no-such-model"]
     proc = subprocess.run(
-        [sys.executable, "-m", "workers.cli", *args],
+        [sys.executable, "-m", "workers.tools.cli", *args],
         capture_output=True,
         text=True,
         env=env,

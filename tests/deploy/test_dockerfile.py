@@ -12,7 +12,7 @@ import subprocess
 from gateway.settings import GatewaySettings
 from tests.deploy.conftest import REPO, tool
 from tests.deploy.test_manifests import build, container, environment
-from workers.cli import COMMANDS
+from workers.tools.cli import COMMANDS
 from workers.worker import WorkerSettings
 
 

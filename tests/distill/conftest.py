@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from tests.engine.tiny import tiny_hf_model
-from workers.distill import prompts
+from workers.tools.distill import prompts
 
 VOCAB = 96
 SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2: the tiny config's bos/eos

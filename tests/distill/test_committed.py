@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from workers.decoder import SpecDecoder, stop_token_ids
 from workers.draft.runner import ModelDrafter
 from workers.engine.engine import Engine, EngineConfig, SlotInput
 from workers.engine.loader import ALIASES, load_tokenizer, resolve_model, tokenizer_fingerprint
 from workers.engine.sessions import SessionTable
-from workers.engine.text import encode_chat
+from workers.engine.text import encode_chat, stop_token_ids
+from workers.loop.inprocess import LocalDecoder
 from workers.protocol import TreeSpec
 from workers.speculation.sampling import SamplingParams
 from workers.target.runner import TargetRunner
@@ -53,9 +53,9 @@ def test_pairs_with_the_embedded_target_and_speculates_losslessly(embedded_hf, e
     )
     stops = stop_token_ids(embedded_tokenizer)
     prompt = encode_chat(embedded_tokenizer, [{"role": "user", "content": "What is a rainbow?"}])
-    plain = SpecDecoder(TargetRunner(target, SessionTable(2)), None, stop_ids=stops)
+    plain = LocalDecoder(TargetRunner(target, SessionTable(2)), None, stop_ids=stops)
     expected = plain.generate(prompt, 32, SamplingParams()).token_ids
-    decoder = SpecDecoder(
+    decoder = LocalDecoder(
         TargetRunner(target, SessionTable(2)),
         ModelDrafter(draft, SessionTable(2)),
         TreeSpec(),

@@ -12,16 +12,17 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from workers import cli
-from workers.decoder import build_decoder
-from workers.distill import bench, prompts
-from workers.distill.data import load_batches
-from workers.distill.model import DraftTrainer
-from workers.distill.run import DistillSettings, distill
 from workers.engine.engine import EngineConfig
 from workers.engine.text import encode_chat
+from workers.loop.inprocess import build_local
 from workers.protocol import TreeSpec
 from workers.speculation.sampling import SamplingParams
+from workers.tools import cli
+from workers.tools.bench import draft as draft_bench
+from workers.tools.distill import prompts
+from workers.tools.distill.data import load_batches
+from workers.tools.distill.model import DraftTrainer
+from workers.tools.distill.run import DistillSettings, distill
 
 TINY = {  # a run of seconds: 1-layer draft, ~150 answer tokens, 4 steps
     "layers": "1",
@@ -56,13 +57,13 @@ def test_saved_draft_speculates_losslessly(tiny_target, draft):
         p.name for p in draft.iterdir()
     }
     target = EngineConfig(model=str(tiny_target), max_sessions=2, max_seq_len=256)
-    plain, engine = build_decoder(target, "none")
+    plain, engine = build_local(target, "none")
     texts = prompts.take("heldout", 0, 3)
     chats = [encode_chat(engine.tokenizer, [{"role": "user", "content": t}]) for t in texts]
     expected = [plain.generate(ids, 20, SamplingParams()).token_ids for ids in chats]
     for tree in (TreeSpec(), TreeSpec(depth=4, branching=1, budget=4)):
-        # build_decoder loads the draft like any model and refuses a different tokenizer
-        speculative, _ = build_decoder(target, str(draft), tree)
+        # build_local loads the draft like any model and refuses a different tokenizer
+        speculative, _ = build_local(target, str(draft), tree)
         outputs = [speculative.generate(ids, 20, SamplingParams()).token_ids for ids in chats]
         assert outputs == expected
 
@@ -124,8 +125,8 @@ def test_data_cache_serves_a_smaller_run_and_options_must_match(tiny_target, dra
 
 
 def test_draft_bench_rows_all_give_the_target_tokens(tiny_target, draft):
-    table = bench.run(
-        bench.DraftBenchSettings(
+    table = draft_bench.run(
+        draft_bench.DraftBenchSettings(
             target_model=str(tiny_target), draft_model=str(draft), prompts=2, max_tokens=8
         )
     )

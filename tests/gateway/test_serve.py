@@ -35,7 +35,7 @@ class Serve:
     def __init__(self, tmp_path, *args: str):
         self.port = free_port()
         self.state_file = tmp_path / "serve-state.json"
-        command = [sys.executable, "-m", "workers.cli", "serve", "--port", str(self.port)]
+        command = [sys.executable, "-m", "workers.tools.cli", "serve", "--port", str(self.port)]
         command += ["--state-file", str(self.state_file), "--health-interval-s", "0.5", *args]
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

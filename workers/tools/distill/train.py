@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from workers.distill.data import Example, Log, duration
-from workers.distill.model import DraftTrainer
+from workers.tools.distill.data import Example, Log, duration
+from workers.tools.distill.model import DraftTrainer
 
 TOP = 3  # agreement is reported for top-1 and top-TOP
 

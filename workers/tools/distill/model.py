@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel, PretrainedConfig
 
-from workers.distill.data import Example
+from workers.tools.distill.data import Example
 
 TOKENIZER_FILES = (
     "tokenizer.json",

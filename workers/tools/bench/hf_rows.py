@@ -13,7 +13,7 @@ import time
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from workers.benchmarks.measure import Timed
+from workers.tools.bench.measure import Timed
 
 
 class Clock(BaseStreamer):

@@ -1,6 +1,6 @@
 """SpecSplit rows: a `specsplit serve` of its own per configuration, driven over HTTP.
 
-`Serve` starts `python -m workers.cli serve` (gateway in that process, the
+`Serve` starts `python -m workers.tools.cli serve` (gateway in that process, the
 target and any draft as gRPC worker processes) with one configuration's
 tree flags and waits for its ready line. `stream_chat` sends one streaming
 chat completion with httpx and times its chunks; `run_streams` keeps N
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from workers.benchmarks.measure import Timed
+from workers.tools.bench.measure import Timed
 
 MODEL_NAME = "bench"  # the name the bench's serve answers to
 
@@ -75,7 +75,7 @@ class Serve:
         self.config = config
         self.port = free_port()
         draft = draft_model if config.draft == "model" else config.draft
-        command = [sys.executable, "-m", "workers.cli", "serve", "--port", str(self.port)]
+        command = [sys.executable, "-m", "workers.tools.cli", "serve", "--port", str(self.port)]
         command += ["--target-model", target_model, "--served-model-name", MODEL_NAME]
         command += ["--draft-model", str(draft), "--log-level", "warning"]
         command += ["--worker-max-sessions", str(max_sessions), "--max-sessions", "256"]

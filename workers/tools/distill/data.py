@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from workers.distill import prompts as prompt_set
 from workers.engine.engine import Engine, SlotInput
 from workers.engine.text import encode_chat
+from workers.tools.distill import prompts as prompt_set
 
 Log = Callable[[str], None]
 PREFILL_GROUP = 8  # prompts per prefill forward: bounds its (sum of lengths, V) logits

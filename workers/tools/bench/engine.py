@@ -1,7 +1,5 @@
 """`specsplit bench engine`: side-by-side decoding speed on one model, in one run.
 
-(`specsplit bench` without `engine` runs the full suite: workers/benchmarks/.)
-
 Runs, on the same prompts and the same machine:
   - transformers `generate` greedy (target only),
   - transformers prompt-lookup `generate` (`prompt_lookup_num_tokens`),
@@ -14,7 +12,6 @@ be identical across all SpecSplit rows and transformers.
 
 from __future__ import annotations
 
-import platform
 import time
 from pathlib import Path
 
@@ -22,16 +19,17 @@ import torch
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
-from workers.benchmarks.workloads import TEXTS
-from workers.decoder import SpecDecoder, stop_token_ids
 from workers.draft.ngram import NgramDrafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
-from workers.engine.text import encode_chat
+from workers.engine.text import encode_chat, stop_token_ids
+from workers.loop.inprocess import LocalDecoder
 from workers.protocol import TreeSpec
-from workers.settings import parse, settings_config
+from workers.settings import EMBEDDED_MODEL, parse, settings_config
 from workers.speculation.sampling import SamplingParams
 from workers.target.runner import TargetRunner
+from workers.tools.bench.machine import describe
+from workers.tools.bench.workloads import TEXTS
 
 
 def grounded_prompts() -> list[str]:
@@ -42,14 +40,10 @@ def grounded_prompts() -> list[str]:
 class EngineBenchSettings(BaseSettings):
     model_config = settings_config("bench engine")
 
-    target_model: str = Field("smollm2-135m-instruct", description="the model to benchmark")
+    target_model: str = Field(EMBEDDED_MODEL, description="the model to benchmark")
     max_tokens: int = Field(96, ge=1, description="new tokens per prompt")
     prompts: int = Field(3, ge=1, le=len(TEXTS), description="how many prompts to run")
     out: Path = Field(Path("bench/results"), description="where the Markdown table goes")
-
-
-def machine() -> str:
-    return f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def run_engine_bench(s: EngineBenchSettings) -> str:
@@ -78,7 +72,7 @@ def run_engine_bench(s: EngineBenchSettings) -> str:
         return run
 
     def spec(drafter, tree: TreeSpec):
-        decoder = SpecDecoder(TargetRunner(engine, SessionTable(2)), drafter, tree, stops)
+        decoder = LocalDecoder(TargetRunner(engine, SessionTable(2)), drafter, tree, stops)
 
         def run(ids):
             gen = decoder.generate(ids, s.max_tokens, SamplingParams())
@@ -119,7 +113,7 @@ def run_engine_bench(s: EngineBenchSettings) -> str:
     base = results["transformers generate (greedy)"][0]
     lines = [
         f"Engine benchmark: {s.target_model}, {s.prompts} input-grounded prompts, "
-        f"{s.max_tokens} new tokens each, greedy. Machine: {machine()}.",
+        f"{s.max_tokens} new tokens each, greedy. Machine: {describe()}.",
         "",
         "| decoder | tokens/s | × transformers generate | tokens per target forward | "
         "same tokens |",
@@ -131,21 +125,7 @@ def run_engine_bench(s: EngineBenchSettings) -> str:
 
 
 def main(argv: list[str]) -> None:
-    """`specsplit bench [options]`: the side-by-side suite (workers.benchmarks.suite);
-    `specsplit bench engine [options]`: the in-process engine comparison above;
-    `specsplit bench ceiling [options]`: n-gram tree vs chain by replay
-    (workers.benchmarks.ceiling)."""
-    if argv and argv[0] == "ceiling":
-        from workers.benchmarks.ceiling import main as ceiling
-
-        ceiling(argv[1:])
-        return
-    if not argv or argv[0] != "engine":
-        from workers.benchmarks.suite import main as suite
-
-        suite(argv)
-        return
-    s = parse(EngineBenchSettings, argv[1:])
+    s = parse(EngineBenchSettings, argv)
     table = run_engine_bench(s)
     print(table)
     s.out.mkdir(parents=True, exist_ok=True)

@@ -25,8 +25,10 @@ import torch
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
-from workers.distill.data import DataSpec, Example, Teacher, collect, duration
-from workers.distill.model import (
+from workers.engine.engine import Engine, EngineConfig
+from workers.settings import EMBEDDED_MODEL, parse, settings_config
+from workers.tools.distill.data import DataSpec, Example, Teacher, collect, duration
+from workers.tools.distill.model import (
     DraftTrainer,
     choose_vocab,
     draft_config,
@@ -34,9 +36,7 @@ from workers.distill.model import (
     init_from_target,
     residual_axes,
 )
-from workers.distill.train import TOP, Checkpoint, TrainSpec, agreement, train
-from workers.engine.engine import Engine, EngineConfig
-from workers.settings import parse, settings_config
+from workers.tools.distill.train import TOP, Checkpoint, TrainSpec, agreement, train
 
 INIT_SEQUENCES = 48  # training sequences whose target activations choose the draft's axes
 SAVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -51,7 +51,7 @@ TRAIN_RECIPE = (
 class DistillSettings(BaseSettings):
     model_config = settings_config("distill")
 
-    target: str = Field("smollm2-135m-instruct", description="alias, directory, .gguf or HF id")
+    target: str = Field(EMBEDDED_MODEL, description="alias, directory, .gguf or HF id")
     out: Path = Field(description="draft directory to write; checkpoints go to OUT/checkpoint")
     layers: int = Field(2, ge=1, description="decoder layers (the target's first ones)")
     hidden: int = Field(144, ge=1, description="draft width, a multiple of the target's heads")

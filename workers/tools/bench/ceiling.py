@@ -23,16 +23,16 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
-from workers.benchmarks.workloads import messages
-from workers.settings import settings_config
+from workers.settings import EMBEDDED_MODEL, settings_config
 from workers.speculation.ngram import ngram_tree
 from workers.speculation.tree import TokenTree
+from workers.tools.bench.workloads import messages
 
 
 class CeilingSettings(BaseSettings):
     model_config = settings_config("bench ceiling")
 
-    target_model: str = Field("smollm2-135m-instruct", description="the target model")
+    target_model: str = Field(EMBEDDED_MODEL, description="the target model")
     prompts: int = Field(8, ge=1, description="input-grounded prompts")
     humaneval: int = Field(16, ge=1, le=164, description="HumanEval problems (the first N)")
     max_tokens: int = Field(96, ge=1, description="most new tokens per prompt")
@@ -81,13 +81,13 @@ ALL_MATCHES = {"max_ngram": 2, "depth": 16, "budget": 4096, "max_matches": 64}
 
 
 def greedy_texts(s: CeilingSettings) -> dict[str, list[tuple[list[int], list[int]]]]:
-    from workers.decoder import build_decoder
     from workers.engine.engine import EngineConfig
     from workers.engine.text import encode_chat
+    from workers.loop.inprocess import build_local
     from workers.protocol import TreeSpec
     from workers.speculation.sampling import SamplingParams
 
-    decoder, engine = build_decoder(
+    decoder, engine = build_local(
         EngineConfig(model=s.target_model), "ngram", TreeSpec(depth=16, branching=2, budget=16)
     )
     texts = {}

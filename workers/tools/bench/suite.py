@@ -1,4 +1,4 @@
-"""`specsplit bench`: SpecSplit against its peers, side by side, in one run.
+"""`specsplit bench [serve]`: SpecSplit against its peers, side by side, in one run.
 
 Rows (pick with --rows):
   hf-generate           transformers `generate`, greedy, target only (in-process)
@@ -37,10 +37,11 @@ import torch
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
-from workers.benchmarks import report
-from workers.benchmarks.machine import describe, load_average
-from workers.benchmarks.measure import Figures, Timed, histogram_quantile
-from workers.benchmarks.serving import (
+from workers.settings import EMBEDDED_MODEL, settings_config
+from workers.tools.bench import report
+from workers.tools.bench.machine import describe, load_average
+from workers.tools.bench.measure import Figures, Timed, histogram_quantile
+from workers.tools.bench.serving import (
     Serve,
     ServeConfig,
     bucket_delta,
@@ -48,16 +49,15 @@ from workers.benchmarks.serving import (
     phase_buckets,
     run_streams,
 )
-from workers.benchmarks.workloads import messages
-from workers.settings import settings_config
+from workers.tools.bench.workloads import messages
 
 HF_ROWS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
 
 
 class BenchSettings(BaseSettings):
-    model_config = settings_config("bench")
+    model_config = settings_config("bench serve")
 
-    target_model: str = Field("smollm2-135m-instruct", description="the target model")
+    target_model: str = Field(EMBEDDED_MODEL, description="the target model")
     draft_model: str = Field(
         "auto",
         description="the model draft; auto = smollm2-135m-draft when installed, "
@@ -171,8 +171,8 @@ def run_suite(s: BenchSettings) -> Run:
 def run_hf(run: Run, rows: list[str], workloads, target_dir, draft_dir, tokenizer) -> None:
     from transformers import AutoModelForCausalLM
 
-    from workers.benchmarks.hf_rows import hf_request
     from workers.engine.text import encode_chat
+    from workers.tools.bench.hf_rows import hf_request
 
     s = run.settings
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()

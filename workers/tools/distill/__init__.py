@@ -5,9 +5,10 @@ data.py     the target's answers and next-token distributions, cached batch by b
 model.py    the draft's shape, its kept vocabulary and how it is saved as a plain model
 train.py    the KL training loop, checkpoints and agreement
 run.py      the command: settings, the steps in order, the report
-bench.py    the figures of bench/DRAFT.md: agreement, accepted length, cost, tokens/s
+
+`specsplit bench draft` (workers/tools/bench/draft.py) measures the draft it makes.
 """
 
-from workers.distill.run import main
+from workers.tools.distill.run import main
 
 __all__ = ["main"]

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from workers.benchmarks.suite import Result, Run
+    from workers.tools.bench.suite import Result, Run
 
 CSV_FIELDS = [
     "row", "setup", "workload", "streams", "requests", "tokens", "wall_s", "tok_s_stream",

@@ -1,21 +1,19 @@
-"""The figures of a distilled draft on a chat workload, as bench/DRAFT.md reports them.
+"""`specsplit bench draft`: a distilled draft's figures on a chat workload (bench/DRAFT.md).
 
-`python -m workers.distill.bench [--draft-model smollm2-135m-draft] [--prompts 8]` measures,
+`specsplit bench draft [--draft-model smollm2-135m-draft] [--prompts 8]` measures,
 on held-out chat prompts (topics and passages the draft never trained on), greedy:
   (a) top-1 / top-3 agreement of the draft with the target's greedy token, teacher-forced
       on the target's own answers;
   (b) tokens per target forward (accepted draft tokens + the bonus token) with a tree;
   (c) the cost of one forward of 1 token behind a KV cache, draft over target, both on
       SpecSplit's native engine (medians, interleaved so load changes hit both alike);
-  (d) tokens/s of SpecDecoder with speculation off, the n-gram draft and the model draft
-      (with the default tree, a smaller tree and a chain), prompt by prompt in turn,
-      checking that all give the same tokens.
+  (d) tokens/s of the in-process loop (LocalDecoder) with speculation off, the n-gram
+      draft and the model draft (with the default tree, a smaller tree and a chain),
+      prompt by prompt in turn, checking that all give the same tokens.
 """
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -24,23 +22,24 @@ import torch
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
-from workers.decoder import SpecDecoder, stop_token_ids
-from workers.distill import prompts
 from workers.draft.ngram import NgramDrafter
 from workers.draft.runner import ModelDrafter
 from workers.engine.engine import Engine, EngineConfig, SlotInput
 from workers.engine.sessions import SessionTable
-from workers.engine.text import encode_chat
+from workers.engine.text import encode_chat, stop_token_ids
+from workers.loop.inprocess import LocalDecoder
 from workers.protocol import TreeSpec
-from workers.settings import parse, settings_config
+from workers.settings import EMBEDDED_MODEL, parse, settings_config
 from workers.speculation.sampling import SamplingParams
 from workers.target.runner import TargetRunner
+from workers.tools.bench.machine import describe, load_words
+from workers.tools.distill import prompts
 
 
 class DraftBenchSettings(BaseSettings):
-    model_config = settings_config("distill bench")
+    model_config = settings_config("bench draft")
 
-    target_model: str = Field("smollm2-135m-instruct", description="the target")
+    target_model: str = Field(EMBEDDED_MODEL, description="the target")
     draft_model: str = Field("smollm2-135m-draft", description="the distilled draft")
     prompts: int = Field(8, ge=1, description="held-out chat prompts")
     prompt_seed: int = Field(1, description="which held-out prompts")
@@ -54,28 +53,6 @@ class DraftBenchSettings(BaseSettings):
     cost_repeats: int = Field(40, ge=1, description="timed 1-token forwards per model")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = torch's default")
     out: Path | None = Field(None, description="Markdown file to write (default: print only)")
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (
-        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), float32, Python {platform.python_version()}"
-    )
-
-
-def load_average() -> str:
-    try:
-        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"
 
 
 @torch.inference_mode()
@@ -119,7 +96,7 @@ def _shape(spec: TreeSpec) -> str:
 def run(s: DraftBenchSettings) -> str:
     if s.threads:
         torch.set_num_threads(s.threads)
-    load_before = load_average()
+    load_before = load_words()
     config = EngineConfig(model=s.target_model, max_sessions=2, max_seq_len=1024)
     target = Engine.load(config)
     draft = Engine.load(EngineConfig(model=s.draft_model, max_sessions=2, max_seq_len=1024))
@@ -131,8 +108,8 @@ def run(s: DraftBenchSettings) -> str:
     small = TreeSpec(depth=s.small_depth, branching=s.small_branching, budget=s.small_budget)
     chain = TreeSpec(depth=s.small_depth, branching=1, budget=s.small_depth)
 
-    def decoder(drafter, spec: TreeSpec) -> SpecDecoder:
-        return SpecDecoder(TargetRunner(target, SessionTable(2)), drafter, spec, stops)
+    def decoder(drafter, spec: TreeSpec) -> LocalDecoder:
+        return LocalDecoder(TargetRunner(target, SessionTable(2)), drafter, spec, stops)
 
     def ngram():
         return NgramDrafter(SessionTable(4))
@@ -174,7 +151,7 @@ def run(s: DraftBenchSettings) -> str:
         {"target": verify_sizes, "draft": [1]},
         s.cost_repeats,
     )
-    load_after = load_average()
+    load_after = load_words()
 
     base = totals["speculation off"]["tokens"] / totals["speculation off"]["s"]
     lines = [
@@ -182,7 +159,7 @@ def run(s: DraftBenchSettings) -> str:
         f"{s.prompts} held-out chat prompts (`prompts.take('heldout', {s.prompt_seed}, "
         f"{s.prompts})`), {s.max_tokens} new tokens each, greedy. Trees are written "
         f"depth/branching/budget; {_shape(tree)} is `TreeSpec()`, the default.",
-        f"Machine: {machine()}; load average before {load_before}, after {load_after}.",
+        f"Machine: {describe()}, float32; load average before {load_before}, after {load_after}.",
         "",
         f"- (a) agreement with the target's greedy token (teacher-forced, {positions} answer "
         f"positions): top-1 **{hits1 / positions:.3f}**, top-3 **{hits3 / positions:.3f}**",
@@ -204,16 +181,10 @@ def run(s: DraftBenchSettings) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    import sys
-
-    s = parse(DraftBenchSettings, sys.argv[1:] if argv is None else argv)
+def main(argv: list[str]) -> None:
+    s = parse(DraftBenchSettings, argv)
     table = run(s)
     print(table)
     if s.out is not None:
         s.out.parent.mkdir(parents=True, exist_ok=True)
         s.out.write_text(table + "\n")
-
-
-if __name__ == "__main__":
-    main()

@@ -11,6 +11,11 @@ def load_average() -> tuple[float, float, float]:
     return os.getloadavg()
 
 
+def load_words() -> str:
+    """The 1, 5 and 15-minute load averages as "a / b / c"."""
+    return " / ".join(f"{x:.1f}" for x in load_average())
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -1,0 +1,42 @@
+"""`specsplit bench [KIND] [options]`: every benchmark, behind one registry.
+
+suite.py     `serve` (the default): SpecSplit served against its peers, side by side
+serving.py   starting a `specsplit serve` and streaming chat completions at it
+hf_rows.py   the transformers rows of the suite
+measure.py   timings of one request and the figures of many
+report.py    the suite's CSV, Markdown and plot
+workloads.py the prompts: input-grounded tasks and HumanEval
+engine.py    `engine`: in-process decoding speed on one model
+ceiling.py   `ceiling`: n-gram trees vs chains, by replay
+workers.py   `workers`: a target and an n-gram draft worker over gRPC
+draft.py     `draft`: the figures of a distilled draft (bench/DRAFT.md)
+machine.py   the machine every kind reports, described once
+"""
+
+from __future__ import annotations
+
+from workers.tools.cli import Table, dispatch
+
+KINDS: Table = {
+    "serve": (
+        "workers.tools.bench.suite",
+        "SpecSplit over HTTP + gRPC vs transformers, every row side by side",
+    ),
+    "engine": (
+        "workers.tools.bench.engine",
+        "in-process decoding speed on one model vs transformers generate",
+    ),
+    "ceiling": ("workers.tools.bench.ceiling", "n-gram trees vs chains by replay (no timing)"),
+    "workers": (
+        "workers.tools.bench.workers",
+        "target + n-gram draft workers over gRPC at 1, 4, 8 sessions",
+    ),
+    "draft": (
+        "workers.tools.bench.draft",
+        "a distilled draft: agreement, tokens per forward, cost, tokens/s",
+    ),
+}
+
+
+def main(argv: list[str]) -> None:
+    dispatch("specsplit bench", KINDS, argv, default="serve")
