@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from workers.draft.runner import ModelDrafter
-from workers.engine.engine import Engine, EngineConfig, SlotInput
+from workers.engine.batch import SlotInput
+from workers.engine.engine import Engine, EngineConfig
 from workers.engine.loader import ALIASES, load_tokenizer, resolve_model, tokenizer_fingerprint
 from workers.engine.sessions import SessionTable
 from workers.engine.text import encode_chat, stop_token_ids

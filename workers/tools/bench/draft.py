@@ -24,7 +24,8 @@ from pydantic_settings import BaseSettings
 
 from workers.draft.ngram import NgramDrafter
 from workers.draft.runner import ModelDrafter
-from workers.engine.engine import Engine, EngineConfig, SlotInput
+from workers.engine.batch import SlotInput
+from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
 from workers.engine.text import encode_chat, stop_token_ids
 from workers.loop.inprocess import LocalDecoder

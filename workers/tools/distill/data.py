@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from workers.engine.engine import Engine, SlotInput
+from workers.engine.batch import SlotInput
+from workers.engine.engine import Engine
 from workers.engine.text import encode_chat
 from workers.tools.distill import prompts as prompt_set
 
