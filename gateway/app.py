@@ -9,6 +9,7 @@ backend_factory, workers are reached over gRPC.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -18,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import APIError, install_error_handlers
 from gateway.metrics import Metrics
-from gateway.routes import ops, v1
+from gateway.routes import openapi, ops, v1
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from workers.protocol import BackendFactory
@@ -53,6 +54,7 @@ def create_app(settings: GatewaySettings, backend_factory: BackendFactory | None
     app = FastAPI(title="SpecSplit", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = metrics
+    app.openapi = functools.partial(openapi, app)
     install_error_handlers(app)
     app.include_router(v1)
     app.include_router(ops)

@@ -13,6 +13,7 @@ import re
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("specsplit.gateway")
@@ -27,6 +28,35 @@ TYPES = {
     500: "server_error",
     503: "service_unavailable",
 }
+
+
+STATUS_MEANING = {
+    400: "a malformed request, or one asking for what this server does not build",
+    401: "a missing or wrong API key (only when the server is given keys)",
+    404: "the model is not the one this server serves",
+    413: "the request body is over the server's limit",
+    429: "every target worker is full: retry after Retry-After seconds",
+    500: "an unexpected server error",
+    503: "no healthy target worker: retry after Retry-After seconds",
+}
+
+
+class ErrorDetail(BaseModel):
+    message: str  # for people
+    type: str  # invalid_request_error, rate_limit_error, server_error, service_unavailable
+    param: str | None  # the request field at fault, e.g. "messages[0].role"
+    code: str | None  # for programs, e.g. "model_not_found", "context_length_exceeded"
+
+
+class ErrorBody(BaseModel):
+    """The body of every error response."""
+
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int, dict]:
+    """The `responses=` of a route that can answer these statuses, each with an ErrorBody."""
+    return {s: {"model": ErrorBody, "description": STATUS_MEANING[s]} for s in statuses}
 
 
 class APIError(StarletteHTTPException):
@@ -53,9 +83,8 @@ class APIError(StarletteHTTPException):
         kind = TYPES.get(
             self.status, "server_error" if self.status >= 500 else "invalid_request_error"
         )
-        return {
-            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        }
+        detail = ErrorDetail(message=self.message, type=kind, param=self.param, code=self.code)
+        return ErrorBody(error=detail).model_dump()
 
     def response(self) -> JSONResponse:
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
@@ -93,6 +122,8 @@ def validation_error(error: RequestValidationError) -> APIError:
         return bad_request("the request body is not valid JSON", None, "invalid_json")
     param = param_path(first.get("loc", ()))
     message = str(first.get("msg", "invalid value"))
+    if first.get("type") == "missing" and param is None:
+        return bad_request("the request body is required (a JSON object)", None, "missing_body")
     if first.get("type") == "missing":
         return bad_request(f"`{param}` is required", param, "missing_required_parameter")
     if first.get("type") == "extra_forbidden":

@@ -55,6 +55,8 @@ def completion_prompts(tokenizer, prompt, vocab_size: int) -> list[list[int]]:
         prompts = [prompt]
     else:
         prompts = list(prompt)
+    if not prompts:
+        raise bad_request("`prompt` must not be empty", "prompt")
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):

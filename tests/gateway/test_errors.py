@@ -194,3 +194,38 @@ def test_more_choices_than_the_server_holds_is_400(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=["the"] * 3, n=2, max_tokens=2)
     assert info.value.body["param"] == "n"
+
+
+def test_a_body_less_post_names_the_missing_body(server):
+    response = post(server, "/v1/completions", b"")
+    assert response.status_code == 400
+    error = error_of(response)
+    assert error["code"] == "missing_body"
+    assert "None" not in error["message"]
+
+
+@pytest.mark.parametrize("prompt", [[], [[]], [""]])
+def test_an_empty_prompt_is_400_naming_prompt(client, prompt):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert info.value.body["param"] == "prompt"
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 5e-324}, {"top_p": 5e-324}])
+def test_vanishing_temperature_or_top_p_still_generates(client, sampling):
+    reply = client.completions.create(model=MODEL, prompt="the cat", max_tokens=2, **sampling)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_schema_documents_what_the_server_sends(server):
+    schema = httpx.get(server.url + "/openapi.json").json()
+    chat = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert set(chat) == {"200", "400", "401", "404", "413", "429", "500", "503"}
+    assert set(chat["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert chat["400"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ErrorBody"
+    }
+    for operations in schema["paths"].values():
+        for operation in operations.values():
+            assert "422" not in operation["responses"]
+    assert "HTTPValidationError" not in schema["components"]["schemas"]

@@ -59,7 +59,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         top = x.argmax(dim=-1, keepdim=True)  # (..., 1)
         return torch.zeros_like(x).scatter_(-1, top, 1.0)  # (..., V)
 
-    x = x / params.temperature  # (..., V)
+    # shifted so that the likeliest logit is 0: a tiny temperature sends the rest to -inf, not NaN
+    temperature = max(params.temperature, torch.finfo(x.dtype).tiny)
+    x = (x - x.amax(dim=-1, keepdim=True)) / temperature  # (..., V)
     v = x.shape[-1]
     if 0 < params.top_k < v:
         kth = x.topk(params.top_k, dim=-1).values[..., -1:]  # (..., 1)
@@ -68,7 +70,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1:
         sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # (..., V) x2
         mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # (..., V) mass of strictly likelier
-        keep_sorted = mass_before < params.top_p  # (..., V) first entry always kept
+        keep_sorted = mass_before < params.top_p  # (..., V)
+        keep_sorted[..., 0] = True  # the likeliest, even when top_p rounds to 0 in float32
         keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)  # (..., V)
         probs = probs * keep  # (..., V)
         probs = probs / probs.sum(dim=-1, keepdim=True)  # (..., V)

@@ -1,0 +1,76 @@
+"""Schemathesis against the live gateway: it answers only as its OpenAPI schema says.
+
+Requests generated from /openapi.json, valid ones and (for the bodies)
+malformed ones, must get no 5xx and only documented status codes, content
+types and bodies; malformed ones must get a 4xx. The server's limits keep each
+generation short (at most 16 tokens, 2 choices, 2 prompts) and the examples
+are bounded, so the file runs in seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from tests.gateway.helpers import MODEL, live, target
+
+KEY = "fuzz-key"
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+]
+POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
+BODIES = ["POST /v1/chat/completions", "POST /v1/completions"]
+# (operation, mode, examples): the request bodies get most of them
+RUNS = [
+    *[(op, mode, 40) for op in BODIES for mode in (POSITIVE, NEGATIVE)],
+    *[(op, POSITIVE, 3) for op in ("GET /v1/models", "GET /health", "GET /metrics")],
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    limits = dict(max_tokens_limit=16, max_n=2, max_prompts=2, max_body_bytes=16_384)
+    with live(tiny_dir, [target(tiny_dir)], api_keys=KEY, **limits) as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def api_schema(server):
+    return schemathesis.openapi.from_url(server.url + "/openapi.json")
+
+
+def test_every_operation_is_fuzzed(api_schema):
+    operations = {result.ok().label for result in api_schema.get_all_operations()}
+    assert operations == {op for op, _, _ in RUNS}
+
+
+@pytest.mark.parametrize(("label", "mode", "examples"), RUNS, ids=lambda v: str(v))
+def test_the_gateway_answers_as_its_schema_says(api_schema, label, mode, examples):
+    operation = api_schema.find_operation_by_label(label)
+
+    @given(case=operation.as_strategy(mode))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,  # the same examples on every run: CI does not flake
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+    def answers_as_documented(case):
+        if isinstance(case.body, dict) and isinstance(case.body.get("model"), str):
+            case.body["model"] = MODEL  # past the 404 for an unknown model, into generation
+        case.call_and_validate(headers={"authorization": f"Bearer {KEY}"}, checks=CHECKS)
+
+    answers_as_documented()
