@@ -18,21 +18,13 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import APIError, install_error_handlers
-from gateway.metrics import Metrics
+from gateway.metrics import ENDPOINTS, Metrics
 from gateway.routes import openapi, ops, v1
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from workers.protocol import BackendFactory
 
 log = logging.getLogger("specsplit.gateway")
-
-ENDPOINTS = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/models": "models",
-    "/health": "health",
-    "/metrics": "metrics",
-}
 
 
 def create_app(settings: GatewaySettings, backend_factory: BackendFactory | None = None) -> FastAPI:

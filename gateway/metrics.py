@@ -30,7 +30,25 @@ Speculation is exported as counters so that rates are PromQL over them:
 
 from __future__ import annotations
 
+from typing import get_args
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from workers.protocol import Role
+
+# request path -> `endpoint` label; any other path is "other"
+ENDPOINTS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/models": "models",
+    "/health": "health",
+    "/metrics": "metrics",
+}
+GENERATION_ENDPOINTS = ("chat", "completions")
+# what the generation routes answer (their `responses=` in gateway/routes.py)
+GENERATION_STATUSES = ("200", "400", "401", "404", "413", "429", "500", "503")
+PHASES = ("draft", "verify", "gateway")  # of one speculation round
+ROLES: tuple[Role, ...] = get_args(Role)
 
 MAX_POSITION = 16  # accepted-per-position label values run 0..MAX_POSITION ("16" = 16 and deeper)
 
@@ -136,6 +154,24 @@ class Metrics:
             ["role"],
             registry=r,
         )
+
+        self.start_at_zero()
+
+    def start_at_zero(self) -> None:
+        """Creates the series of every known label value at 0, as Prometheus advises: `rate()`
+        then sees the first failover or 5xx, and queries need no `or vector(0)`."""
+        for endpoint in ENDPOINTS.values():
+            for status in GENERATION_STATUSES if endpoint in GENERATION_ENDPOINTS else ("200",):
+                self.requests.labels(endpoint, status)
+        for endpoint in GENERATION_ENDPOINTS:
+            self.e2e_latency.labels(endpoint)
+        for phase in PHASES:
+            self.round_phase.labels(phase)
+        for position in range(MAX_POSITION + 1):
+            self.accepted_per_position.labels(position=str(position))
+        for role in ROLES:
+            self.history_resends.labels(role)
+            self.failovers.labels(role)
 
     def observe_round(self, drafted: int, accepted: int, degraded: bool, prefix_hit: int) -> None:
         self.draft_tokens.inc(drafted)

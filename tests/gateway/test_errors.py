@@ -168,10 +168,31 @@ def test_unknown_route_and_method_keep_the_shape(server):
     error_of(response)
 
 
+def sample(text: str, series: str) -> float | None:
+    """The value of one series in a /metrics text; None when it is absent."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 def test_errors_are_counted(server):
     text = httpx.get(server.url + "/metrics").text
-    assert 'specsplit_requests_total{endpoint="chat",status="400"}' in text
-    assert 'specsplit_requests_total{endpoint="models",status="401"}' in text
+    assert sample(text, 'specsplit_requests_total{endpoint="chat",status="400"}') >= 1
+    assert sample(text, 'specsplit_requests_total{endpoint="models",status="401"}') >= 1
+
+
+def test_labelled_counters_start_at_zero(tiny_dir):
+    """Known label values have their series from the start, so rate() sees the first one."""
+    with live(tiny_dir, [target(tiny_dir, "fresh")]) as fresh:
+        text = httpx.get(fresh.url + "/metrics").text
+    for role in ("draft", "target"):
+        assert sample(text, f'specsplit_failovers_total{{role="{role}"}}') == 0
+        assert sample(text, f'specsplit_history_resends_total{{role="{role}"}}') == 0
+    for status in ("400", "429", "500", "503"):
+        assert sample(text, f'specsplit_requests_total{{endpoint="chat",status="{status}"}}') == 0
+    assert sample(text, 'specsplit_round_phase_seconds_count{phase="draft"}') == 0
+    assert sample(text, 'specsplit_accepted_tokens_per_position_total{position="16"}') == 0
 
 
 def test_chunked_body_over_the_limit_is_413(server):

@@ -15,12 +15,23 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from proto.specsplit.v1 import specsplit_pb2 as pb
 from workers.engine.batch import SlotInput
 from workers.engine.sessions import SessionTable
 from workers.rpc.batcher import BatchReport
+from workers.rpc.status import CODES
 
 SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+SERVICE_OF = {"draft": "DraftService", "target": "TargetService"}  # in specsplit.proto
+# the codes a call can end with (workers/rpc/status.py), whose series start at 0
+KNOWN_CODES = (
+    "OK",
+    *(code.name for code in CODES.values()),
+    "INTERNAL",
+    "CANCELLED",
+    "UNAVAILABLE",
+)
 SECOND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -84,6 +95,9 @@ class WorkerMetrics:
             ["role", "method", "code"],
             registry=r,
         )
+        for method in pb.DESCRIPTOR.services_by_name[SERVICE_OF[role]].methods:
+            for code in KNOWN_CODES:  # at 0 from the start, so rate() sees the first error
+                self.requests.labels(role, method.name, code)
 
     def watch_sessions(self, table: SessionTable) -> None:
         self.registry.register(SessionCollector(self.role, table))
