@@ -19,7 +19,8 @@ NonNegInt = Annotated[int, Field(ge=0)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # no coercion either: `false` is not a token id, nor `0.0` a boolean, nor "5" a count
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Strict):
