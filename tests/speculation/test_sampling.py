@@ -9,6 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from workers.speculation import SamplingParams, make_generator, sample, target_probs
+from workers.speculation.sampling import tempered
 
 
 def reference_probs(logits: list[float], params: SamplingParams) -> list[float]:
@@ -125,3 +126,10 @@ def test_sample_is_reproducible_per_seed():
 def test_sample_rejects_bad_probs(probs):
     with pytest.raises(ValueError):
         sample(probs, make_generator(0))
+
+
+def test_a_tiny_temperature_gives_the_argmax_not_nan():
+    """What the draft and the target both divide by: 5e-324 rounds to 0 in float32."""
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, -1.0, float("-inf")]])
+    probs = torch.softmax(tempered(logits, 5e-324), dim=-1)
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))

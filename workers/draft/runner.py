@@ -19,7 +19,7 @@ from workers.engine.engine import Engine
 from workers.engine.sessions import Session, SessionTable
 from workers.protocol import ProposeCall, WorkerInfo
 from workers.speculation.policy import TreeBuilder, TreePolicy, choose_children, tree_policy
-from workers.speculation.sampling import DRAFT_STREAM, round_generator
+from workers.speculation.sampling import DRAFT_STREAM, round_generator, tempered
 from workers.speculation.tree import TokenTree, check_tokens
 
 
@@ -141,7 +141,7 @@ class ModelDrafter:
             if k == 0:
                 continue
             temperature = params.temperature if not params.greedy else 1.0
-            probs = torch.softmax(row.float() / temperature, dim=-1)  # (V,)
+            probs = torch.softmax(tempered(row.float(), temperature), dim=-1)  # (V,)
             tokens, q_tokens, q_probs, logps = choose_children(probs, k, params, x.generator)
             for j in range(len(tokens)):
                 child = x.builder.add(

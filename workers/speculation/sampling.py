@@ -36,6 +36,13 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits (..., V) float32 divided by a temperature > 0, the likeliest shifted to 0, so a
+    tiny temperature sends the others to -inf instead of making NaN."""
+    temperature = max(temperature, torch.finfo(logits.dtype).tiny)
+    return (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # (..., V)
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Next-token probabilities (..., V) from logits (..., V), in float32.
 
@@ -59,9 +66,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         top = x.argmax(dim=-1, keepdim=True)  # (..., 1)
         return torch.zeros_like(x).scatter_(-1, top, 1.0)  # (..., V)
 
-    # shifted so that the likeliest logit is 0: a tiny temperature sends the rest to -inf, not NaN
-    temperature = max(params.temperature, torch.finfo(x.dtype).tiny)
-    x = (x - x.amax(dim=-1, keepdim=True)) / temperature  # (..., V)
+    x = tempered(x, params.temperature)  # (..., V)
     v = x.shape[-1]
     if 0 < params.top_k < v:
         kth = x.topk(params.top_k, dim=-1).values[..., -1:]  # (..., 1)
