@@ -26,8 +26,10 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/specsplit serve --host $(HOST) --port $(PORT) $(ARGS)
 
+# One pytest process per core (pytest-xdist), each with one torch thread: the
+# tests' models are tiny, and two processes of two threads on two cores fight.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -2,6 +2,7 @@
 one loop the gateway runs, in-process and over real gRPC workers) gives exactly the
 target's distribution: a chi-square test on a tiny vocabulary."""
 
+import asyncio
 import itertools
 
 import pytest
@@ -17,6 +18,7 @@ from workers.speculation.sampling import SamplingParams, target_probs
 VOCAB = 6
 PROMPT = [1, 4, 2]
 RUNS = 2000
+CONCURRENT = 16  # generations in flight at once: the workers batch them, as under load
 
 
 def exact_two_token_distribution(hf, params: SamplingParams) -> torch.Tensor:
@@ -31,15 +33,20 @@ def exact_two_token_distribution(hf, params: SamplingParams) -> torch.Tensor:
 
 
 async def sampled_counts(transport: str, params: SamplingParams, tree: TreeSpec) -> torch.Tensor:
-    config = EngineConfig(max_sessions=2, max_seq_len=64)
+    config = EngineConfig(max_sessions=CONCURRENT, max_seq_len=64)
     target = Engine.from_hf(tiny_hf_model(vocab=VOCAB, seed=4), None, config, "target")
     draft = Engine.from_hf(perturbed_draft_small(), None, config, "draft")
     counts = torch.zeros(VOCAB, VOCAB)
+
+    async def one(seed: int) -> list[int]:
+        seeded = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
+        return (await run(route, PROMPT, 3, tree, seeded)).token_ids
+
     async with pair(transport, target, draft) as route:
-        for seed in range(RUNS):
-            seeded = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
-            out = (await run(route, PROMPT, 3, tree, seeded)).token_ids
-            counts[out[0], out[1]] += 1
+        for first in range(0, RUNS, CONCURRENT):
+            seeds = range(first, min(first + CONCURRENT, RUNS))
+            for out in await asyncio.gather(*(one(seed) for seed in seeds)):
+                counts[out[0], out[1]] += 1
     return counts
 
 
@@ -57,7 +64,7 @@ SAMPLED = SamplingParams(temperature=1.0)
 TRUNCATED = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
 
 
-# over gRPC one case: 2,000 generations through real workers take about a minute
+# over gRPC one case: 2,000 generations through real workers, 16 at a time
 @pytest.mark.parametrize(
     "transport, params, tree",
     [
