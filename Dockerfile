@@ -69,8 +69,9 @@ VOLUME ["/models"]
 USER 10001:10001
 WORKDIR /home/specsplit
 
-# gateway HTTP (API, /health, /metrics); target and draft gRPC; their /metrics (gRPC port + 1000)
-EXPOSE 8000 50051 50052 51051 51052
+# gateway HTTP (API, /health, /metrics); target and draft gRPC (TLS); their /metrics
+# (gRPC port + 1000) and plaintext health-only ports for probes (gRPC port + 2000)
+EXPOSE 8000 50051 50052 51051 51052 52051 52052
 
 # No HEALTHCHECK: the three roles need different checks (HTTP /health for the
 # gateway, grpc.health.v1 for the workers) that one instruction cannot express,

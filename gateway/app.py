@@ -36,7 +36,7 @@ def create_app(settings: GatewaySettings, backend_factory: BackendFactory | None
         if factory is None:
             from workers.rpc.client import GrpcFactory
 
-            factory = GrpcFactory(settings.rpc_timeout_s)
+            factory = GrpcFactory(settings.rpc_timeout_s, settings.worker_security())
         app.state.gateway = await Gateway.start(settings, factory, metrics)
         try:
             yield

@@ -1,7 +1,12 @@
 """`specsplit gateway`: the OpenAI-compatible gateway over draft and target worker pools.
 
     specsplit gateway --target-addresses target-0:50061,target-1:50061 \
-                      --draft-addresses drafts.specsplit.svc:50051
+                      --draft-addresses drafts.specsplit.svc:50051 \
+                      --worker-ca tls/ca.crt --worker-token-file tls/token
+
+The workers are reached over TLS (`--worker-ca`, with `--worker-cert` and
+`--worker-key` for mutual TLS and `--worker-token-file` for their token);
+plaintext only with `--insecure`.
 
 Without --draft-addresses the draft runs inside the gateway (--local-draft
 ngram, the default) or not at all (--local-draft none).
@@ -10,6 +15,7 @@ ngram, the default) or not at all (--local-draft none).
 from __future__ import annotations
 
 import logging
+import sys
 
 import uvicorn
 
@@ -27,6 +33,10 @@ def configure_logging(level: str) -> None:
 def main(argv: list[str]) -> None:
     settings = parse(GatewaySettings, argv)
     configure_logging(settings.log_level)
+    try:
+        settings.worker_security()  # the same check the app makes, before it starts
+    except (ValueError, OSError) as error:
+        sys.exit(f"specsplit gateway: {error}")
     app = create_app(settings)
     uvicorn.run(
         app,

@@ -14,8 +14,12 @@ gateway: it needs nothing but the history the gateway already owns, so a
 draft worker would only add a network hop per round and a process to run.
 `--draft-model none` decodes with the target alone.
 
-`--state-file PATH` writes the gateway URL and each worker's role, address
-and pid as JSON once ready (for tests and tooling; off by default).
+The gateway and its workers talk mutual TLS with a token: a fresh CA,
+certificates and token are written to a private temporary directory at every
+start and removed at exit (`--insecure` for plaintext).
+
+`--state-file PATH` writes the gateway URL, each worker's role, address
+and pid, and the credentials' directory as JSON once ready (for tests and tooling; off by default).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +44,7 @@ from pydantic import Field
 from gateway.app import create_app
 from gateway.main import configure_logging
 from gateway.settings import GatewayOptions, GatewaySettings
+from workers.rpc.security import issue
 from workers.settings import EngineOptions, parse, settings_config, to_argv
 from workers.worker import WorkerSettings
 
@@ -62,6 +68,11 @@ class ServeSettings(GatewayOptions, EngineOptions):
         None, description="write the gateway URL and workers' addresses and pids here (JSON)"
     )
     startup_timeout_s: float = Field(600.0, gt=0, description="most seconds to wait for workers")
+    insecure: bool = Field(
+        False,
+        description="plaintext between gateway and workers; default mutual TLS and a token, "
+        "made fresh at every start",
+    )
 
     @property
     def draft_workers(self) -> int:
@@ -93,13 +104,29 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start_worker(role: str, model: str, s: ServeSettings) -> Child:
+# the settings fields that name each file `issue` writes, on each side of the channel
+WORKER_FILES = dict(
+    tls_cert="server.crt", tls_key="server.key", tls_client_ca="ca.crt", token_file="token"
+)
+GATEWAY_FILES = dict(
+    worker_ca="ca.crt", worker_cert="client.crt", worker_key="client.key", worker_token_file="token"
+)
+
+
+def channel(tls: Path | None, files: dict[str, str]) -> dict:
+    """Settings fields for the credentials in `tls`; None = plaintext."""
+    if tls is None:
+        return dict(insecure=True)
+    return {field: tls / name for field, name in files.items()}
+
+
+def start_worker(role: str, model: str, s: ServeSettings, tls: Path | None) -> Child:
     port = free_port()
     engine = {name: getattr(s, name) for name in EngineOptions.model_fields}
     worker = WorkerSettings(
-        role=role, host="127.0.0.1", port=port, model=model, metrics_port=0,
+        role=role, host="127.0.0.1", port=port, model=model, metrics_port=0, health_port=0,
         max_sessions=s.worker_max_sessions, drain_s=0.0,  # the gateway stops first
-        **engine,
+        **engine, **channel(tls, WORKER_FILES),
     )  # fmt: skip
     command = [sys.executable, "-m", "workers.tools.cli", "worker", *to_argv(worker, ("role",))]
     preexec = die_with_parent if sys.platform.startswith("linux") else None
@@ -131,7 +158,9 @@ class Server(uvicorn.Server):
         yield
 
 
-def gateway_settings(s: ServeSettings, children: list[Child], port: int) -> GatewaySettings:
+def gateway_settings(
+    s: ServeSettings, children: list[Child], port: int, tls: Path | None
+) -> GatewaySettings:
     options = {name: getattr(s, name) for name in GatewayOptions.model_fields}
     return GatewaySettings(
         **options,
@@ -140,6 +169,7 @@ def gateway_settings(s: ServeSettings, children: list[Child], port: int) -> Gate
         target_addresses=",".join(c.address for c in children if c.role == "target"),
         draft_addresses=",".join(c.address for c in children if c.role == "draft"),
         local_draft="ngram" if s.draft_model == "ngram" else "none",
+        **channel(tls, GATEWAY_FILES),
     )
 
 
@@ -176,11 +206,16 @@ async def serve(s: ServeSettings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     children: list[Child] = []
+    credentials = contextlib.ExitStack()
+    tls = None
+    if not s.insecure:
+        tls = Path(credentials.enter_context(tempfile.TemporaryDirectory(prefix="specsplit-")))
+        issue(tls, ["127.0.0.1", "localhost"])
     try:
-        children += [start_worker("target", s.target_model, s) for _ in range(s.targets)]
-        children += [start_worker("draft", s.draft_model, s) for _ in range(s.draft_workers)]
+        children += [start_worker("target", s.target_model, s, tls) for _ in range(s.targets)]
+        children += [start_worker("draft", s.draft_model, s, tls) for _ in range(s.draft_workers)]
         port = s.port or free_port(s.host)
-        app = create_app(gateway_settings(s, children, port))
+        app = create_app(gateway_settings(s, children, port, tls))
         config = uvicorn.Config(
             app, host=s.host, port=port, log_level=s.log_level.lower(), timeout_graceful_shutdown=5
         )
@@ -196,7 +231,8 @@ async def serve(s: ServeSettings) -> int:
         if ready:
             url = f"http://{s.host}:{port}/v1"
             if s.state_file is not None:
-                state = {"url": url, "pid": os.getpid(), "workers": [c.summary() for c in children]}
+                workers = [c.summary() for c in children]
+                state = {"url": url, "pid": os.getpid(), "workers": workers, "tls": str(tls or "")}
                 s.state_file.write_text(json.dumps(state, indent=2))
             print(f"SpecSplit ready: {url}", flush=True)
         await asyncio.wait(
@@ -207,6 +243,7 @@ async def serve(s: ServeSettings) -> int:
         return 0
     finally:
         stop_workers(children)
+        credentials.close()
         log.info("stopped")
 
 

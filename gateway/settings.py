@@ -7,6 +7,7 @@ accept; `GatewaySettings` adds where the workers are. Every field is a flag
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -15,6 +16,7 @@ from pydantic_settings import BaseSettings
 from gateway.adaptive import AdaptiveConfig
 from gateway.speculation import LoopOptions
 from workers.protocol import TreeSpec
+from workers.rpc.security import ClientSecurity, read, read_token
 from workers.settings import EMBEDDED_MODEL, settings_config
 
 
@@ -89,3 +91,31 @@ class GatewaySettings(GatewayOptions):
     local_draft: Literal["ngram", "none"] = Field(
         "ngram", description="in-gateway draft used without --draft-addresses; none = target alone"
     )
+    worker_ca: Path | None = Field(None, description="PEM CA that signed the workers' certificates")
+    worker_cert: Path | None = Field(
+        None, description="PEM client certificate, for workers that require mutual TLS"
+    )
+    worker_key: Path | None = Field(None, description="its PEM private key")
+    worker_token_file: Path | None = Field(None, description="file holding the workers' token")
+    worker_tls_name: str = Field(
+        "",
+        description="the name the workers' certificate is for (they are dialled by IP); '' = "
+        "the host as addressed",
+    )
+    insecure: bool = Field(
+        False, description="plaintext to the workers, no token; without it --worker-ca is needed"
+    )
+
+    def worker_security(self) -> ClientSecurity | None:
+        """TLS and token from the files named, or None (plaintext) only with --insecure."""
+        if self.insecure:
+            return None
+        if self.worker_ca is None:
+            raise ValueError(
+                "the workers serve TLS: give --worker-ca (and --worker-token-file, --worker-cert, "
+                "--worker-key as they require), or --insecure for plaintext"
+            )
+        return ClientSecurity(
+            read(self.worker_ca), read(self.worker_cert), read(self.worker_key),
+            read_token(self.worker_token_file), self.worker_tls_name or None,
+        )  # fmt: skip

@@ -1,7 +1,12 @@
 """`specsplit worker draft|target`: one gRPC worker over one model.
 
-    specsplit worker target --model smollm2-135m-instruct --port 50051
-    specsplit worker draft --model ngram --port 50052
+    specsplit worker target --model smollm2-135m-instruct --port 50051 \
+        --tls-cert tls/server.crt --tls-key tls/server.key --token-file tls/token
+    specsplit worker draft --model ngram --port 50052 --insecure
+
+The channel is TLS: `--tls-cert` and `--tls-key` (made by `specsplit certs`),
+`--tls-client-ca` for mutual TLS and `--token-file` for a shared token;
+plaintext only with `--insecure`.
 
 Every flag is also an environment variable: `--max-sessions 8` or
 `SPECSPLIT_MAX_SESSIONS=8`. SIGTERM (or Ctrl-C) drains the worker: health
@@ -15,11 +20,13 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 from pydantic_settings import CliPositionalArg
 
+from workers.rpc.security import ServerSecurity, read, read_token
 from workers.rpc.server import ServerOptions, WorkerServer
 from workers.settings import EMBEDDED_MODEL, EngineOptions, parse, settings_config
 
@@ -66,6 +73,23 @@ class WorkerSettings(EngineOptions):
         description="on SIGTERM, seconds health says NOT_SERVING before calls are refused",
     )
     grace_s: float = Field(10.0, ge=0, description="then, seconds in-flight calls get to finish")
+    tls_cert: Path | None = Field(None, description="PEM certificate chain this worker presents")
+    tls_key: Path | None = Field(None, description="its PEM private key")
+    tls_client_ca: Path | None = Field(
+        None, description="PEM CA: clients must present a certificate it signed (mutual TLS)"
+    )
+    token_file: Path | None = Field(
+        None, description="file holding the token every call must carry (health checks need none)"
+    )
+    health_port: int | None = Field(
+        None,
+        ge=0,
+        description="plaintext port serving only gRPC health, for probes that cannot speak TLS "
+        "(kubelet's); default gRPC port + 2000",
+    )
+    insecure: bool = Field(
+        False, description="plaintext gRPC, no token; else --tls-cert and --tls-key are needed"
+    )
 
     @property
     def grpc_port(self) -> int:
@@ -77,12 +101,28 @@ class WorkerSettings(EngineOptions):
 
     def server_options(self) -> ServerOptions:
         port = self.grpc_port
-        metrics_port = self.metrics_port
-        if metrics_port is None:
-            metrics_port = port + 1000 if port else 0
+
+        def beside(offset: int, chosen: int | None) -> int:
+            return (port + offset if port else 0) if chosen is None else chosen
+
         return ServerOptions(
-            self.host, port, metrics_port, self.idle_timeout_s, self.drain_s, self.grace_s
-        )
+            self.host, port, beside(1000, self.metrics_port), self.idle_timeout_s, self.drain_s,
+            self.grace_s, beside(2000, self.health_port),
+        )  # fmt: skip
+
+    def security(self) -> ServerSecurity | None:
+        """TLS and token from the files named, or None (plaintext) only with --insecure."""
+        if self.insecure:
+            return None
+        if self.tls_cert is None or self.tls_key is None:
+            raise ValueError(
+                "a worker serves TLS: give --tls-cert and --tls-key (`specsplit certs` makes "
+                "them), or --insecure for plaintext"
+            )
+        return ServerSecurity(
+            read(self.tls_cert), read(self.tls_key), read(self.tls_client_ca),
+            read_token(self.token_file),
+        )  # fmt: skip
 
     def engine_config(self) -> EngineConfig:
         from workers.engine.engine import EngineConfig

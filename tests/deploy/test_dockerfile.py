@@ -58,7 +58,7 @@ def test_exposed_ports_are_the_codes_defaults():
     expected = {GatewaySettings.model_fields["port"].default}
     for role in ("target", "draft"):
         options = WorkerSettings(role=role).server_options()
-        expected |= {options.port, options.metrics_port}
+        expected |= {options.port, options.metrics_port, options.health_port}
     assert exposed == expected
 
 

@@ -17,6 +17,7 @@ import yaml
 from gateway.routes import ops
 from gateway.settings import GatewaySettings
 from tests.deploy.conftest import REPO, exported_metric_names, tool
+from workers.rpc.security import FILES
 from workers.worker import WorkerSettings
 
 K8S_VERSION = "1.33"  # the oldest Kubernetes these manifests are checked against
@@ -136,8 +137,10 @@ def test_worker_ports_probes_and_headless_service_match_the_code(overlay, role):
     assert c["args"] == ["worker", role]
     assert port(c, "grpc") == options.port
     assert port(c, "metrics") == options.metrics_port
+    assert port(c, "health") == options.health_port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"]["port"] == options.port, probe  # grpc.health.v1, service ""
+        # grpc.health.v1, service "", on the plaintext health-only port (kubelet cannot TLS)
+        assert c[probe]["grpc"]["port"] == options.health_port, probe
     service = one(docs, "Service", f"specsplit-{role}")
     assert service["spec"]["clusterIP"] == "None"  # headless: resolves to every pod
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
@@ -167,6 +170,36 @@ def test_environment_names_are_settings_and_parse(overlay, monkeypatch):
         for key in names - NOT_SETTINGS:  # each value reached its field (secrets: empty here)
             value = getattr(settings, key.removeprefix("SPECSPLIT_").lower())
             assert value == type(value)(env[key]), f"{component}: {key}={env[key]!r} -> {value!r}"
+
+
+def test_the_workers_channel_is_mutual_tls_with_a_token_from_one_secret(overlay, monkeypatch):
+    _, docs = overlay
+    files = {}
+    for component in ("gateway", *ROLES):
+        c = container(docs, component)
+        pod = one(docs, "Deployment", f"specsplit-{component}")["spec"]["template"]["spec"]
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"] if m["name"] in secrets}
+        env = environment(docs, c)
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            if component == "gateway":
+                settings = GatewaySettings()
+                paths = [settings.worker_ca, settings.worker_cert, settings.worker_key]
+                paths.append(settings.worker_token_file)
+                assert not settings.insecure and settings.worker_tls_name  # pods dialled by IP
+            else:
+                settings = WorkerSettings(role=component)
+                paths = [settings.tls_cert, settings.tls_key, settings.tls_client_ca]
+                paths.append(settings.token_file)
+                assert not settings.insecure
+        for path in paths:  # every file set, in a mounted Secret
+            assert path is not None, component
+            assert str(path.parent) in mounts, f"{component}: {path} is not in a Secret"
+            files[path.name] = secrets[mounts[str(path.parent)]]
+    assert set(files) == set(FILES)
+    assert set(files.values()) == {"specsplit-worker-tls"}
 
 
 def test_gateway_finds_every_worker_through_the_headless_services(overlay):

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -21,7 +22,9 @@ import torch
 from openai import OpenAI
 
 from tests.gateway.helpers import free_port, wait_until
+from workers.protocol import WorkerDown
 from workers.rpc.client import GrpcBackend
+from workers.rpc.security import client_of
 from workers.settings import EMBEDDED_MODEL
 
 MODEL = EMBEDDED_MODEL
@@ -89,13 +92,27 @@ def alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-def live_sessions(address: str) -> int:
+def live_sessions(serve: Serve, address: str) -> int:
+    """Asks the worker itself, over the mutual TLS channel serve made for its gateway."""
+
     async def ask() -> int:
-        backend = GrpcBackend("target", address)
+        backend = GrpcBackend("target", address, security=client_of(Path(serve.state["tls"])))
         try:
             return (await backend.info()).live_sessions
         finally:
             await backend.close()
+
+    return asyncio.run(ask())
+
+
+def answers_plaintext(role: str, address: str) -> bool:
+    async def ask() -> bool:
+        async with GrpcBackend(role, address, 5.0) as backend:
+            try:
+                await backend.info()
+            except WorkerDown:
+                return False
+            return True
 
     return asyncio.run(ask())
 
@@ -136,9 +153,9 @@ def test_disconnected_client_leaves_no_live_sessions(serve, client):
     for _ in range(3):
         next(chunks)
     addresses = [w["address"] for w in serve.state["workers"] if w["role"] == "target"]
-    assert sum(live_sessions(a) for a in addresses) == 1
+    assert sum(live_sessions(serve, a) for a in addresses) == 1
     stream.close()
-    wait_until(lambda: sum(live_sessions(a) for a in addresses) == 0, 30, "sessions to end")
+    wait_until(lambda: sum(live_sessions(serve, a) for a in addresses) == 0, 30, "sessions to end")
 
 
 @pytest.mark.embedded
@@ -165,7 +182,7 @@ def test_killing_a_target_mid_stream_loses_nothing(serve, client):
 
     def kill_busy_target(i: int) -> None:
         if i == 4 and not killed:
-            busy = next(a for a in targets if live_sessions(a) > 0)
+            busy = next(a for a in targets if live_sessions(serve, a) > 0)
             os.kill(targets[busy], signal.SIGKILL)
             killed.append(busy)
 
@@ -192,6 +209,8 @@ def test_serve_with_draft_workers_on_tiny_models_and_ctrl_c(tmp_path, tiny_dir, 
         server.wait_ready(120)
         roles = sorted(w["role"] for w in server.state["workers"])
         assert roles == ["draft", "target"]
+        for w in server.state["workers"]:  # serve's channel is TLS: plaintext gets nothing
+            assert not answers_plaintext(w["role"], w["address"])
         client = OpenAI(base_url=server.state["url"], api_key="x", max_retries=0)
         reply = client.chat.completions.create(
             model="tiny",

@@ -15,8 +15,8 @@ from workers.worker import WorkerSettings
 
 
 def settings(role: str, **overrides) -> WorkerSettings:
-    fields = dict(host="127.0.0.1", port=0, metrics_port=0, drain_s=0.0, **overrides)
-    return WorkerSettings(role=role, **fields)
+    fields = dict(host="127.0.0.1", port=0, metrics_port=0, health_port=0, drain_s=0.0)
+    return WorkerSettings(role=role, **{**fields, "insecure": True, **overrides})
 
 
 @asynccontextmanager

@@ -45,6 +45,7 @@ async def test_worker_command_serves_and_drains_on_sigterm():
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "workers.tools.cli", "worker", "draft", "--model", "ngram",
         "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--drain-s", "0.5",
+        "--insecure", "--health-port", "0",
         cwd=ROOT, env=env, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:

@@ -6,7 +6,8 @@
     tree = await draft.propose(ProposeCall(sid, 0, prompt, spec))
     outcome = await target.verify(VerifyCall(sid, 0, prompt, tree, params))
 
-One grpc.aio channel per worker, reconnecting within a second or two of a
+One grpc.aio channel per worker (TLS with a token when given a ClientSecurity,
+workers/rpc/security.py), reconnecting within a second or two of a
 worker (re)starting. Every failed call raises a workers.protocol error
 (workers/rpc/status.py): SessionLost, WorkerBusy, InvalidCall, or WorkerDown
 for anything else (unreachable, deadline, internal, a dropped connection).
@@ -33,6 +34,7 @@ from workers.protocol import (
     as_worker_error,
 )
 from workers.rpc import convert
+from workers.rpc.security import ClientSecurity
 from workers.rpc.status import error_of
 from workers.speculation.tree import TokenTree
 
@@ -60,18 +62,32 @@ class Wire:
 class GrpcBackend:
     """One draft or target worker at `address` ("host:port")."""
 
-    def __init__(self, role: Role, address: str, timeout_s: float | None = 60.0):
+    def __init__(
+        self,
+        role: Role,
+        address: str,
+        timeout_s: float | None = 60.0,
+        security: ClientSecurity | None = None,
+    ):
         self.role = role
         self.address = address
         self.timeout_s = timeout_s  # per-call deadline; None = none
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if security is None:
+            self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self.metadata: tuple[tuple[str, str], ...] = ()
+        else:
+            options = CHANNEL_OPTIONS + security.channel_options()
+            self.channel = grpc.aio.secure_channel(address, security.credentials(), options)
+            self.metadata = security.metadata()
         self.stub = STUBS[role](self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.wire = Wire()
 
     async def call(self, method: str, request):
         try:
-            response = await getattr(self.stub, method)(request, timeout=self.timeout_s)
+            response = await getattr(self.stub, method)(
+                request, timeout=self.timeout_s, metadata=self.metadata
+            )
         except grpc.aio.AioRpcError as error:
             raise error_of(error) from error
         except asyncio.CancelledError:
@@ -125,10 +141,11 @@ class GrpcBackend:
 
 
 class GrpcFactory:
-    """A BackendFactory that dials each address over gRPC."""
+    """A BackendFactory that dials each address over gRPC (TLS when `security` is set)."""
 
-    def __init__(self, timeout_s: float | None = 60.0):
+    def __init__(self, timeout_s: float | None = 60.0, security: ClientSecurity | None = None):
         self.timeout_s = timeout_s
+        self.security = security
 
     def __call__(self, role: Role, address: str) -> GrpcBackend:
-        return GrpcBackend(role, address, self.timeout_s)
+        return GrpcBackend(role, address, self.timeout_s, self.security)

@@ -1,8 +1,11 @@
 """A running worker: the grpc.aio server around one service, plus what every worker needs.
 
-`WorkerServer.start` binds the port with the error interceptor, registers the
-service and the standard `grpc.health.v1` health service, starts the batcher,
-the idle-session reaper and the /metrics HTTP server. `shutdown` is what
+`WorkerServer.start` binds the port (TLS when given a ServerSecurity, with the
+token interceptor when it carries a token; workers/rpc/security.py) with
+the error interceptor, registers the service and the standard
+`grpc.health.v1` health service (also alone on a plaintext health port when
+asked, for probes), starts the batcher, the idle-session reaper and the
+/metrics HTTP server. `shutdown` is what
 SIGTERM does: health goes NOT_SERVING (calls are still served for drain_s),
 then new calls are refused with UNAVAILABLE, queued and in-flight calls
 finish within the grace period, and everything stops.
@@ -23,6 +26,7 @@ from grpc_health.v1.health import aio as health_aio
 from workers.engine.sessions import SessionTable
 from workers.rpc.batcher import Batcher, EngineThread
 from workers.rpc.metrics import WorkerMetrics
+from workers.rpc.security import ServerSecurity, TokenInterceptor
 from workers.rpc.status import ErrorInterceptor
 
 log = logging.getLogger(__name__)
@@ -38,6 +42,7 @@ class ServerOptions:
     idle_timeout_s: float = 600.0  # sessions idle this long are ended
     drain_s: float = 1.0  # on shutdown, how long health says NOT_SERVING before calls are refused
     grace_s: float = 10.0  # then, how long in-flight calls may take to finish
+    health_port: int | None = 0  # plaintext port with only the health service; None = none
 
 
 @dataclass
@@ -55,6 +60,8 @@ class WorkerServer:
     metrics: WorkerMetrics
     options: ServerOptions
     metrics_port: int | None = None  # the bound /metrics port
+    health_server: grpc.aio.Server | None = None  # the plaintext health-only server
+    health_port: int | None = None  # its bound port
     _metrics_http: object = None
     _tasks: list[asyncio.Task] = field(default_factory=list)
     _stopping: bool = False
@@ -72,21 +79,27 @@ class WorkerServer:
         table: SessionTable,
         metrics: WorkerMetrics,
         options: ServerOptions,
+        security: ServerSecurity | None,
     ) -> WorkerServer:
         interceptor = ErrorInterceptor(metrics.observe_request)
-        server = grpc.aio.server(interceptors=[interceptor])
+        token = [TokenInterceptor(security.token)] if security and security.token else []
+        server = grpc.aio.server(interceptors=[*token, interceptor])
         register(servicer, server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        port = server.add_insecure_port(f"{options.host}:{options.port}")
-        if port == 0:
-            raise OSError(f"could not bind {options.host}:{options.port}")
+        port = bind(server, options.host, options.port, security)
+        health_server, health_port = None, None
+        if options.health_port is not None:
+            health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
+            health_port = bind(health_server, options.host, options.health_port, None)
+            await health_server.start()
         metrics.watch_sessions(table)
         batcher.start()
         await server.start()
         worker = cls(
             role, service_name, servicer, server, port, health, interceptor, batcher, thread,
-            table, metrics, options,
+            table, metrics, options, health_server=health_server, health_port=health_port,
         )  # fmt: skip
         if options.metrics_port is not None:
             worker._metrics_http, _ = metrics.serve(options.host, options.metrics_port)
@@ -133,6 +146,8 @@ class WorkerServer:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.interceptor.wait_idle(), grace)
         await self.server.stop(0)  # cancels what is left: health watches, calls past the grace
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         for task in self._tasks:
             task.cancel()
         await self.batcher.close()
@@ -141,3 +156,15 @@ class WorkerServer:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
         self._stopped.set()
+
+
+def bind(server: grpc.aio.Server, host: str, port: int, security: ServerSecurity | None) -> int:
+    """Adds the listening port (TLS when `security` is set); returns the bound port."""
+    address = f"{host}:{port}"
+    if security is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, security.credentials())
+    if bound == 0:
+        raise OSError(f"could not bind {address}")
+    return bound

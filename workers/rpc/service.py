@@ -167,4 +167,5 @@ async def serve_role(role: Role, engine: Engine | None, settings: WorkerSettings
         runner.table,
         metrics,
         settings.server_options(),
+        settings.security(),
     )

@@ -17,6 +17,7 @@ COMMANDS: Table = {
     "serve": ("gateway.serve", "run gateway + workers together on this machine"),
     "bench": ("workers.tools.bench", "benchmark SpecSplit (`specsplit bench --help`: the kinds)"),
     "distill": ("workers.tools.distill", "train a small draft model on a target's own answers"),
+    "certs": ("workers.tools.certs", "write TLS certificates and a token for the workers"),
 }
 
 

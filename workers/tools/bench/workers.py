@@ -114,7 +114,9 @@ def table(rows: list[Row]) -> str:
 async def run(s: BenchWorkersSettings) -> None:
     most = max(s.sessions)
     engine = Engine.load(EngineConfig(model=s.model, max_sessions=most))
-    worker = dict(host="127.0.0.1", port=0, metrics_port=0, drain_s=0.0)
+    worker = dict(
+        host="127.0.0.1", port=0, metrics_port=0, health_port=0, drain_s=0.0, insecure=True
+    )
     target_server = await serve_role(
         "target", engine, WorkerSettings(role="target", batch_wait_ms=s.batch_wait_ms, **worker)
     )
