@@ -37,7 +37,8 @@ STATUS_MEANING = {
     413: "the request body is over the server's limit",
     429: "every target worker is full: retry after Retry-After seconds",
     500: "an unexpected server error",
-    503: "no healthy target worker: retry after Retry-After seconds",
+    503: "no healthy target worker, or the server is shutting down: retry after Retry-After "
+    "seconds",
 }
 
 

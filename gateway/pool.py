@@ -228,6 +228,7 @@ class Router:
     max_sessions: int = 64  # choices generated at once, over all workers
     affinity_entries: int = 10_000  # conversations remembered
     retry_after_s: int = 2
+    draining: bool = False  # set on SIGTERM: new requests get 503, live ones finish
     live: int = 0
     affinity: OrderedDict[str, dict[Role, str]] = field(default_factory=OrderedDict)
     busy_ids: set[str] = field(default_factory=set)  # worker session ids in use
@@ -252,7 +253,15 @@ class Router:
         return {t for w in self.targets.serving() if w.info for t in w.info.eos_token_ids}
 
     def admit(self, n: int) -> Admission:
-        """Reserves n live choices, or raises 503 (no target) or 429 (full)."""
+        """Reserves n live choices, or raises 503 (draining, no target) or 429 (full)."""
+        if self.draining:
+            raise APIError(
+                503,
+                "this server is shutting down: retry (another replica takes the request)",
+                None,
+                "shutting_down",
+                self.retry_after_s,
+            )
         targets = self.targets.serving()
         if not targets:
             raise APIError(

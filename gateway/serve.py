@@ -6,8 +6,11 @@
 Starts `--targets` target workers (and `--drafts` draft workers for a model
 draft) as child processes (`specsplit worker ...` on free ports), then the
 gateway in this process; prints `SpecSplit ready: http://HOST:PORT/v1` once
-every worker is serving, and stops them all on Ctrl-C or SIGTERM. Children
-also die with this process (PR_SET_PDEATHSIG) if it is killed.
+every worker is serving. Ctrl-C or SIGTERM drains the gateway first (/health
+and new requests get 503 while the requests in flight finish, up to
+`--drain-timeout-s`), then stops the workers and exits 0; a second signal
+stops at once. Children also die with this process (PR_SET_PDEATHSIG) if it
+is killed.
 
 `--draft-model ngram` (the default) runs the prompt-lookup draft inside the
 gateway: it needs nothing but the history the gateway already owns, so a
@@ -42,7 +45,7 @@ import uvicorn
 from pydantic import Field
 
 from gateway.app import create_app
-from gateway.main import configure_logging
+from gateway.main import Server, configure_logging, drain_and_stop, stop_on_signals
 from gateway.settings import GatewayOptions, GatewaySettings
 from workers.rpc.security import issue
 from workers.settings import EngineOptions, parse, settings_config, to_argv
@@ -130,7 +133,9 @@ def start_worker(role: str, model: str, s: ServeSettings, tls: Path | None) -> C
     )  # fmt: skip
     command = [sys.executable, "-m", "workers.tools.cli", "worker", *to_argv(worker, ("role",))]
     preexec = die_with_parent if sys.platform.startswith("linux") else None
-    process = subprocess.Popen(command, preexec_fn=preexec)  # noqa: PLW1509 - prctl only
+    # a session of its own: a terminal's Ctrl-C reaches serve alone, which drains the
+    # gateway before it stops the workers
+    process = subprocess.Popen(command, preexec_fn=preexec, start_new_session=True)  # noqa: PLW1509
     log.info("started %s worker pid %d on 127.0.0.1:%d", role, process.pid, port)
     return Child(role, f"127.0.0.1:{port}", process.pid, process)
 
@@ -148,14 +153,6 @@ def stop_workers(children: list[Child], grace_s: float = 15.0) -> None:
             log.warning("%s worker pid %d did not stop: killed", child.role, child.pid)
             child.process.kill()
             child.process.wait()
-
-
-class Server(uvicorn.Server):
-    """uvicorn without its own signal handling: `serve` owns SIGINT/SIGTERM."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
 
 
 def gateway_settings(
@@ -194,17 +191,8 @@ async def wait_ready(app, server: Server, children: list[Child], stop: asyncio.E
 
 
 async def serve(s: ServeSettings) -> int:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    server: Server | None = None
-
-    def on_signal(sig: int) -> None:
-        stop.set()
-        if server is not None:
-            server.handle_exit(sig, None)  # also tells sse-starlette to end open streams
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
+    stop, cut = asyncio.Event(), asyncio.Event()
+    stop_on_signals(stop, cut)
     children: list[Child] = []
     credentials = contextlib.ExitStack()
     tls = None
@@ -238,8 +226,7 @@ async def serve(s: ServeSettings) -> int:
         await asyncio.wait(
             [serving, asyncio.create_task(stop.wait())], return_when="FIRST_COMPLETED"
         )
-        server.should_exit = True
-        await serving
+        await drain_and_stop(app, server, serving, s.drain_timeout_s, cut)  # then the workers
         return 0
     finally:
         stop_workers(children)

@@ -33,6 +33,7 @@ from workers.protocol import BackendFactory
 log = logging.getLogger("specsplit.gateway")
 
 DISCONNECT_POLL_S = 0.25
+DRAIN_POLL_S = 0.05
 
 
 def load_target_tokenizer(model: str):
@@ -121,9 +122,20 @@ class Gateway:
             for role, p in pools.items()
             if p is not None
         }
-        healthy = router.healthy()
-        body = {"status": "ok" if healthy else "unavailable", **counts}
-        return JSONResponse(body, status_code=200 if healthy else 503)
+        healthy = router.healthy() and not router.draining
+        status = "draining" if router.draining else "ok" if healthy else "unavailable"
+        return JSONResponse({"status": status, **counts}, status_code=200 if healthy else 503)
+
+    async def drain(self, timeout_s: float, cut: asyncio.Event) -> bool:
+        """What SIGTERM does first: readiness and new requests get 503 while the requests
+        in flight finish, for up to `timeout_s` or until `cut`. True when none was left."""
+        self.router.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.router.live > 0 and time.monotonic() < deadline and not cut.is_set():
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self.router.live:
+            log.warning("drain timed out with %d choices still generating", self.router.live)
+        return self.router.live == 0
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)

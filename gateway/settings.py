@@ -57,6 +57,12 @@ class GatewayOptions(BaseSettings):
     )
     rpc_timeout_s: float = Field(60.0, gt=0, description="deadline of one propose or verify call")
     affinity_entries: int = Field(10_000, ge=0, description="conversations remembered for routing")
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="on SIGTERM, seconds the requests in flight get to finish while new ones "
+        "get 503",
+    )
     log_level: str = Field("info", description="debug, info, warning or error")
 
     @property

@@ -202,6 +202,25 @@ def test_the_workers_channel_is_mutual_tls_with_a_token_from_one_secret(overlay,
     assert set(files.values()) == {"specsplit-worker-tls"}
 
 
+def test_termination_grace_covers_the_drain(overlay, monkeypatch):
+    """Kubernetes kills a pod after terminationGracePeriodSeconds, counted from the
+    preStop hook: the drain the settings ask for must fit inside it."""
+    _, docs = overlay
+    for component in ("gateway", *ROLES):
+        c = container(docs, component)
+        pod = one(docs, "Deployment", f"specsplit-{component}")["spec"]["template"]["spec"]
+        with monkeypatch.context() as m:
+            for key, value in environment(docs, c).items():
+                m.setenv(key, value)
+            if component == "gateway":
+                drain = GatewaySettings().drain_timeout_s
+            else:
+                settings = WorkerSettings(role=component)
+                drain = settings.drain_s + settings.grace_s
+        pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        assert pod["terminationGracePeriodSeconds"] >= pre_stop + drain + 5, component
+
+
 def test_gateway_finds_every_worker_through_the_headless_services(overlay):
     _, docs = overlay
     env = environment(docs, container(docs, "gateway"))
