@@ -269,7 +269,9 @@ class Router:
                 503, "no healthy target worker", None, "no_healthy_target", self.retry_after_s
             )
         if n > capacity:
-            raise APIError(400, f"the request needs {n} sessions; this server holds {capacity}", "n")
+            raise APIError(
+                400, f"the request needs {n} sessions; this server holds {capacity}", "n"
+            )
         return self.live + n <= capacity
 
     def reserve(self, n: int, on_release: Callable[[Admission], None] | None = None) -> Admission:
