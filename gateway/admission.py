@@ -43,6 +43,8 @@ class Waiter:
 
 @dataclass
 class Admissions:
+    """The line of requests waiting for sessions, in front of the router's capacity."""
+
     router: Router
     metrics: Metrics
     max_waiting: int = 256  # requests that may wait at once; 0 = refuse at capacity
