@@ -48,7 +48,7 @@ class Admissions:
     router: Router
     metrics: Metrics
     max_waiting: int = 256  # requests that may wait at once; 0 = refuse at capacity
-    max_wait_s: float = 120.0  # longest wait before 429
+    max_wait_s: float = 300.0  # longest wait before 429
     waiters: deque[Waiter] = field(default_factory=deque)
     holds: deque[float] = field(default_factory=lambda: deque(maxlen=HOLD_WINDOW))
     running: int = 0  # requests admitted and not released

@@ -34,7 +34,7 @@ class GatewayOptions(BaseSettings):
         256, ge=0, description="requests that may wait for a session (more: 429); 0 = no queue"
     )
     max_queue_wait_s: float = Field(
-        120.0, gt=0, description="longest a request waits for a session before 429"
+        300.0, gt=0, description="longest a request waits for a session before 429"
     )
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask")
     max_n: int = Field(8, ge=1, description="largest n (choices per prompt)")
