@@ -7,6 +7,7 @@ One file per concern, in the order a request meets them:
     schemas.py      request bodies; unsupported parameters refused by name
     errors.py       the OpenAI error shape for every failure
     service.py      Gateway: shared state on app.state, one method per endpoint
+    admission.py    the admission queue: requests beyond capacity wait in line (FIFO)
     prompts.py      chat template / prompts -> token ids; limits and context checks
     generation.py   the one generator of deltas (all choices of a request)
     speculation.py  one choice's run of the loop (workers.loop) over the pools: routing,

@@ -35,7 +35,8 @@ STATUS_MEANING = {
     401: "a missing or wrong API key (only when the server is given keys)",
     404: "the model is not the one this server serves",
     413: "the request body is over the server's limit",
-    429: "every target worker is full: retry after Retry-After seconds",
+    429: "the server is full and its admission queue too, or the request waited past the "
+    "queue's bound: retry after Retry-After seconds",
     500: "an unexpected server error",
     503: "no healthy target worker, or the server is shutting down: retry after Retry-After "
     "seconds",

@@ -26,6 +26,12 @@ Speculation is exported as counters so that rates are PromQL over them:
     # p95 time to first token
     histogram_quantile(0.95,
       sum by (le) (rate(specsplit_time_to_first_token_seconds_bucket[5m])))
+
+    # p99 time in the admission queue, and the share of requests that waited at all
+    histogram_quantile(0.99,
+      sum by (le) (rate(specsplit_request_queue_time_seconds_bucket[5m])))
+    1 - sum(rate(specsplit_request_queue_time_seconds_bucket{le="0.005"}[5m]))
+      / sum(rate(specsplit_request_queue_time_seconds_count[5m]))
 """
 
 from __future__ import annotations
@@ -120,6 +126,22 @@ class Metrics:
         )
         self.live_sessions = Gauge(
             "specsplit_live_sessions", "Choices being generated now", registry=r
+        )
+        self.requests_running = Gauge(
+            "specsplit_num_requests_running",
+            "Requests admitted and generating now (each holds one live session per choice)",
+            registry=r,
+        )
+        self.requests_waiting = Gauge(
+            "specsplit_num_requests_waiting",
+            "Requests waiting in the admission queue for sessions",
+            registry=r,
+        )
+        self.request_queue_time = Histogram(
+            "specsplit_request_queue_time_seconds",
+            "Time an admitted request waited in the admission queue (0 when there was room)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.worker_up = Gauge(
             "specsplit_worker_up",

@@ -7,11 +7,11 @@ that come and go join and leave the pool. Every worker is health-checked every
 `health_interval_s`; a call that fails marks it down at once, and the next
 passing check brings it back.
 
-The `Router` admits requests (503 with no healthy target, 429 over capacity),
-picks the least loaded healthy worker of a role, and keeps a conversation
-(X-Session-ID header or `user`) on the workers that served it before, under
-the same worker session id, so a target finds the conversation's prefix still
-in its KV cache.
+The `Router` counts live choices against capacity (503 with no healthy target;
+gateway/admission.py queues the requests beyond it), picks the least loaded
+healthy worker of a role, and keeps a conversation (X-Session-ID header or
+`user`) on the workers that served it before, under the same worker session
+id, so a target finds the conversation's prefix still in its KV cache.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import socket
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.errors import APIError
@@ -207,6 +208,8 @@ class Admission:
 
     router: Router
     n: int
+    on_release: Callable[[Admission], None] | None = None  # told after the release
+    since: float = field(default_factory=time.monotonic)
     released: bool = False
 
     async def arelease(self) -> None:
@@ -218,6 +221,8 @@ class Admission:
             self.released = True
             self.router.live -= self.n
             self.router.metrics.live_sessions.set(self.router.live)
+            if self.on_release is not None:
+                self.on_release(self)
 
 
 @dataclass
@@ -252,8 +257,14 @@ class Router:
     def eos_token_ids(self) -> set[int]:
         return {t for w in self.targets.serving() if w.info for t in w.info.eos_token_ids}
 
-    def admit(self, n: int) -> Admission:
-        """Reserves n live choices, or raises 503 (draining, no target) or 429 (full)."""
+    def capacity(self) -> int:
+        """Choices the serving targets hold at once, within max_sessions (0: no target)."""
+        targets = self.targets.serving()
+        return int(min(self.max_sessions, sum(w.capacity for w in targets))) if targets else 0
+
+    def room(self, n: int) -> bool:
+        """Whether n more live choices fit now; raises 503 (draining, no target) or 400
+        (never fit)."""
         if self.draining:
             raise APIError(
                 503,
@@ -262,27 +273,22 @@ class Router:
                 "shutting_down",
                 self.retry_after_s,
             )
-        targets = self.targets.serving()
-        if not targets:
+        capacity = self.capacity()
+        if not capacity:
             raise APIError(
                 503, "no healthy target worker", None, "no_healthy_target", self.retry_after_s
             )
-        capacity = min(self.max_sessions, sum(w.capacity for w in targets))
         if n > capacity:
             raise APIError(
-                400, f"the request needs {n} sessions; this server holds {int(capacity)}", "n"
+                400, f"the request needs {n} sessions; this server holds {capacity}", "n"
             )
-        if self.live + n > capacity:
-            raise APIError(
-                429,
-                f"too many concurrent sessions ({self.live} live, capacity {int(capacity)})",
-                None,
-                "too_many_sessions",
-                self.retry_after_s,
-            )
+        return self.live + n <= capacity
+
+    def reserve(self, n: int, on_release: Callable[[Admission], None] | None = None) -> Admission:
+        """Takes n live choices (gateway/admission.py decides when)."""
         self.live += n
         self.metrics.live_sessions.set(self.live)
-        return Admission(self, n)
+        return Admission(self, n, on_release)
 
     def session_id(self, key: str | None, index: int) -> str:
         """A conversation reuses its worker session ids (and so their cached prefix)."""

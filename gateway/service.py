@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
+from gateway.admission import Admissions
 from gateway.errors import APIError
 from gateway.generation import GenerationRequest, Generator, Record
 from gateway.metrics import Metrics
@@ -51,9 +52,12 @@ class Gateway:
     generator: Generator
     started: int
     token_text: TokenText = field(init=False)
+    admissions: Admissions = field(init=False)
 
     def __post_init__(self):
         self.token_text = TokenText(self.tokenizer)  # reads tokenizer.json once, not per request
+        s = self.settings
+        self.admissions = Admissions(self.router, self.metrics, s.max_waiting, s.max_queue_wait_s)
 
     @classmethod
     async def start(
@@ -130,6 +134,7 @@ class Gateway:
         """What SIGTERM does first: readiness and new requests get 503 while the requests
         in flight finish, for up to `timeout_s` or until `cut`. True when none was left."""
         self.router.draining = True
+        self.admissions.wake()  # the requests still waiting get the 503 now
         deadline = time.monotonic() + timeout_s
         while self.router.live > 0 and time.monotonic() < deadline and not cut.is_set():
             await asyncio.sleep(DRAIN_POLL_S)
@@ -194,7 +199,8 @@ class Gateway:
     async def respond(
         self, plan: GenerationRequest, fmt: Format, endpoint: str, stream: bool, request: Request
     ):
-        admission = self.router.admit(plan.choices)
+        # waits in line before any response starts: a refused stream still gets a real 429
+        admission = await until_disconnected(request, self.admissions.admit(plan.choices))
         record = Record(endpoint, getattr(request.state, "arrived", None) or time.perf_counter())
         deltas = self.generator.generate(plan, record, admission)
         if stream:
@@ -210,7 +216,8 @@ class Gateway:
 
 
 async def until_disconnected(request: Request, work: Awaitable):
-    """Awaits `work`; cancels it when the client goes away (vLLM's disconnect watcher)."""
+    """Awaits `work`; cancels it and answers 499 when the client goes away (vLLM's
+    disconnect watcher)."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -218,11 +225,12 @@ async def until_disconnected(request: Request, work: Awaitable):
             if done:
                 return task.result()
             if await request.is_disconnected():
-                log.info("client disconnected; generation cancelled")
-                task.cancel()
+                if not task.cancel():  # it finished meanwhile: its result is the caller's
+                    return task.result()
+                log.info("client disconnected; request cancelled")
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-                return APIError(499, "client closed the request", None, "client_closed").response()
+                raise APIError(499, "client closed the request", None, "client_closed")
     finally:
         if not task.done():
             task.cancel()

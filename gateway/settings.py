@@ -29,7 +29,13 @@ class GatewayOptions(BaseSettings):
     )
     served_model_name: str = Field("", description="the name clients use; '' = --target-model")
     api_keys: str = Field("", description="comma list of accepted Bearer keys; '' = no auth")
-    max_sessions: int = Field(64, ge=1, description="choices generated at once (more: 429)")
+    max_sessions: int = Field(64, ge=1, description="choices generated at once (more: queued)")
+    max_waiting: int = Field(
+        256, ge=0, description="requests that may wait for a session (more: 429); 0 = no queue"
+    )
+    max_queue_wait_s: float = Field(
+        300.0, gt=0, description="longest a request waits for a session before 429"
+    )
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask")
     max_n: int = Field(8, ge=1, description="largest n (choices per prompt)")
     max_prompts: int = Field(16, ge=1, description="most prompts in one /v1/completions batch")

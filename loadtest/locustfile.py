@@ -23,6 +23,11 @@ statistics, CSV files and HTML report:
 (The tokens/s rows are rates, not times: read their "ms" columns as tokens/s.)
 Token counts come from the usage block of each answer. An answer without
 usage, without [DONE], with an error event, or with no text is a failure.
+
+Past the server's capacity, requests wait in its admission queue (their wait
+shows in TTFT and E2E) and fail only with 429 (queue full or waited too long)
+or 503; a user then waits the answer's Retry-After before its next request.
+`make run`'s defaults serve 64 users (`USERS=64`) without a failure.
 """
 
 from __future__ import annotations
@@ -114,8 +119,19 @@ def record(request_type: str, name: str, value: float) -> None:
 
 class OpenAIUser(HttpUser):
     abstract = True
-    wait_time = between(0.5, 2.0)
+    pause = between(0.5, 2.0)
     model: str | None = None  # found once, shared by all users
+    retry_after = 0.0  # seconds the last refusal (429, 503) asked this user to wait
+
+    def wait_time(self) -> float:
+        wait, self.retry_after = max(self.pause(), self.retry_after), 0.0
+        return wait
+
+    def refused(self, reply) -> None:
+        """A non-200 answer: a failure, and its Retry-After honoured."""
+        retry_after = reply.headers.get("Retry-After", "")
+        self.retry_after = float(retry_after) if retry_after.isdigit() else 0.0
+        reply.failure(f"HTTP {reply.status_code}: {reply.text[:200]}")
 
     def on_start(self) -> None:
         options = self.environment.parsed_options
@@ -161,7 +177,7 @@ class ChatStreamUser(OpenAIUser):
             timeout=(10, 600),
         ) as reply:
             if reply.status_code != 200:
-                reply.failure(f"HTTP {reply.status_code}: {reply.text[:200]}")
+                self.refused(reply)
                 return
             for line in reply.iter_lines(decode_unicode=True):
                 if not line or not line.startswith("data:"):
@@ -213,7 +229,7 @@ class CompletionUser(OpenAIUser):
             timeout=(10, 600),
         ) as reply:
             if reply.status_code != 200:
-                reply.failure(f"HTTP {reply.status_code}: {reply.text[:200]}")
+                self.refused(reply)
                 return
             answer = reply.json()
             usage = answer.get("usage") or {}

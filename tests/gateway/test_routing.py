@@ -120,7 +120,9 @@ def test_no_healthy_target_is_503_with_retry_after(tiny_dir):
 
 
 def test_too_many_sessions_is_429_with_retry_after(tiny_dir):
-    with live(tiny_dir, [slow_target(tiny_dir, "t0", 0.05)], max_sessions=1) as gateway:
+    """Without a queue (max_waiting 0) a request over capacity is refused at once."""
+    t0 = slow_target(tiny_dir, "t0", 0.05)
+    with live(tiny_dir, [t0], max_sessions=1, max_waiting=0) as gateway:
         client = client_of(gateway)
         stream = client.chat.completions.create(
             model=MODEL, messages=CHAT, max_tokens=30, temperature=0, stream=True

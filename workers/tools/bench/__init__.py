@@ -10,6 +10,7 @@ engine.py    `engine`: in-process decoding speed on one model
 ceiling.py   `ceiling`: n-gram trees vs chains, by replay
 workers.py   `workers`: a target and an n-gram draft worker over gRPC
 draft.py     `draft`: the figures of a distilled draft (bench/DRAFT.md)
+admission.py `admission`: more streams at once than `specsplit serve` holds (the queue)
 machine.py   the machine every kind reports, described once
 """
 
@@ -34,6 +35,10 @@ KINDS: Table = {
     "draft": (
         "workers.tools.bench.draft",
         "a distilled draft: agreement, tokens per forward, cost, tokens/s",
+    ),
+    "admission": (
+        "workers.tools.bench.admission",
+        "N streams at once against `specsplit serve`'s defaults: errors, texts, queue time",
     ),
 }
 

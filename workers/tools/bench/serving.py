@@ -1,12 +1,11 @@
 """SpecSplit rows: a `specsplit serve` of its own per configuration, driven over HTTP.
 
-`Serve` starts `python -m workers.tools.cli serve` (gateway in that process, the
-target and any draft as gRPC worker processes) with one configuration's
-tree flags and waits for its ready line. `stream_chat` sends one streaming
-chat completion with httpx and times its chunks; `run_streams` keeps N
-streams busy, each sending its requests one after the other. `phase_buckets`
-reads the gateway's per-phase round histogram from /metrics.
-"""
+`ServeProcess` starts `python -m workers.tools.cli serve` (gateway in that
+process, the target and any draft as gRPC worker processes) and waits for its
+ready line; `Serve` is one with a configuration's tree flags. `stream_chat`
+sends one streaming chat completion with httpx and times its chunks;
+`run_streams` keeps N streams busy, each sending its requests one after the
+other. `histogram_buckets` reads one of the gateway's histograms from /metrics."""
 
 from __future__ import annotations
 
@@ -59,35 +58,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Serve:
-    """`specsplit serve` in a subprocess, for one configuration."""
+class ServeProcess:
+    """`specsplit serve ARGS` in a subprocess (on a free port), until its ready line."""
 
-    def __init__(
-        self,
-        config: ServeConfig,
-        target_model: str,
-        draft_model: str | None,
-        max_sessions: int,
-        knee_tokens: float,
-        worker_threads: int = 0,
-        timeout_s: float = 600.0,
-    ):
-        self.config = config
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, timeout_s=600.0):
         self.port = free_port()
-        draft = draft_model if config.draft == "model" else config.draft
-        command = [sys.executable, "-m", "workers.tools.cli", "serve", "--port", str(self.port)]
-        command += ["--target-model", target_model, "--served-model-name", MODEL_NAME]
-        command += ["--draft-model", str(draft), "--log-level", "warning"]
-        command += ["--worker-max-sessions", str(max_sessions), "--max-sessions", "256"]
-        command += ["--tree-depth", str(config.depth), "--tree-branching", str(config.branching)]
-        command += ["--tree-budget", str(config.budget)]
-        command += ["--adaptive-tree" if config.adaptive else "--no-adaptive-tree"]
-        command += ["--overlap-draft" if config.overlap else "--no-overlap-draft"]
-        command += ["--adaptive-knee-tokens", str(knee_tokens)]
-        self.command = command
-        self.env = dict(os.environ)
-        if worker_threads > 0:  # the workers' torch threads (the gateway barely uses torch)
-            self.env["OMP_NUM_THREADS"] = str(worker_threads)
+        serve = [sys.executable, "-m", "workers.tools.cli", "serve"]
+        self.command = [*serve, "--port", str(self.port), *args]
+        self.env = env or dict(os.environ)
         self.timeout_s = timeout_s
         self.lines: list[str] = []
         self.ready = threading.Event()
@@ -97,7 +75,7 @@ class Serve:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> Serve:
+    def __enter__(self) -> ServeProcess:
         self.process = subprocess.Popen(
             self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env
         )
@@ -121,6 +99,35 @@ class Serve:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+class Serve(ServeProcess):
+    """`specsplit serve` for one configuration of the suite."""
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        target_model: str,
+        draft_model: str | None,
+        max_sessions: int,
+        knee_tokens: float,
+        worker_threads: int = 0,
+        timeout_s: float = 600.0,
+    ):
+        self.config = config
+        draft = draft_model if config.draft == "model" else config.draft
+        args = ["--target-model", target_model, "--served-model-name", MODEL_NAME]
+        args += ["--draft-model", str(draft), "--log-level", "warning"]
+        args += ["--worker-max-sessions", str(max_sessions), "--max-sessions", "256"]
+        args += ["--tree-depth", str(config.depth), "--tree-branching", str(config.branching)]
+        args += ["--tree-budget", str(config.budget)]
+        args += ["--adaptive-tree" if config.adaptive else "--no-adaptive-tree"]
+        args += ["--overlap-draft" if config.overlap else "--no-overlap-draft"]
+        args += ["--adaptive-knee-tokens", str(knee_tokens)]
+        env = dict(os.environ)
+        if worker_threads > 0:  # the workers' torch threads (the gateway barely uses torch)
+            env["OMP_NUM_THREADS"] = str(worker_threads)
+        super().__init__(args, env, timeout_s)
 
 
 async def stream_chat(
@@ -207,20 +214,25 @@ async def run_streams(
     return [t for r in results for t in r], wall
 
 
-def phase_buckets(url: str) -> dict[str, list[tuple[float, float]]]:
-    """specsplit_round_phase_seconds buckets by phase: {phase: [(le, cumulative count)]}."""
+def histogram_buckets(url: str, name: str, label: str = "") -> dict[str, list[tuple[float, float]]]:
+    """A histogram's buckets from /metrics: {value of `label` ("" without): [(le, cumulative)]}."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=30).text
     out: dict[str, list[tuple[float, float]]] = {}
     for family in text_string_to_metric_families(text):
-        if family.name != "specsplit_round_phase_seconds":
+        if family.name != name:
             continue
         for sample in family.samples:
             if sample.name.endswith("_bucket"):
                 le = float(sample.labels["le"])
-                out.setdefault(sample.labels["phase"], []).append((le, sample.value))
+                out.setdefault(sample.labels.get(label, ""), []).append((le, sample.value))
     return out
+
+
+def phase_buckets(url: str) -> dict[str, list[tuple[float, float]]]:
+    """specsplit_round_phase_seconds buckets by phase: {phase: [(le, cumulative count)]}."""
+    return histogram_buckets(url, "specsplit_round_phase_seconds", "phase")
 
 
 def bucket_delta(
