@@ -155,6 +155,20 @@ def client_of(gateway) -> OpenAI:
     return OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
 
 
+def hold(client: OpenAI):
+    """A stream that has started and holds its session for longer than any wait here
+    (greedy, so no early end of sequence whatever the tests before it left in the RNG)."""
+    holder = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "one"}],
+        max_tokens=200,
+        temperature=0,
+        stream=True,
+    )
+    next(iter(holder))
+    return holder
+
+
 def stream_text(client: OpenAI, prompt: str) -> str:
     messages = [{"role": "user", "content": prompt}]
     stream = client.chat.completions.create(
@@ -186,14 +200,7 @@ def test_a_full_queue_is_429_with_retry_after(tiny_dir):
     t0 = slow_target(tiny_dir, "t0", 0.05)
     with live(tiny_dir, [t0], max_sessions=1, max_waiting=1) as gateway:
         client = client_of(gateway)
-        holder = client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "one"}],
-            max_tokens=200,  # greedy, and far longer than any wait: it holds its session
-            temperature=0,
-            stream=True,
-        )
-        next(iter(holder))
+        holder = hold(client)
         queued = threading.Thread(target=stream_text, args=(client, "two"))
         queued.start()
         wait_until(lambda: len(gateway.gateway.admissions.waiters) == 1, what="one waiting")
@@ -212,14 +219,7 @@ def test_a_stream_that_waits_past_the_bound_is_an_http_429(tiny_dir):
     t0 = slow_target(tiny_dir, "t0", 0.05)
     with live(tiny_dir, [t0], max_sessions=1, max_queue_wait_s=0.3) as gateway:
         client = client_of(gateway)
-        holder = client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "one"}],
-            max_tokens=200,  # greedy, and far longer than any wait: it holds its session
-            temperature=0,
-            stream=True,
-        )
-        next(iter(holder))
+        holder = hold(client)
         with pytest.raises(openai.RateLimitError) as refused:
             stream_text(client, "two")
         assert refused.value.body["code"] == "queue_timeout"
@@ -231,14 +231,7 @@ def test_a_client_that_leaves_while_waiting_leaves_the_queue(tiny_dir):
     t0 = slow_target(tiny_dir, "t0", 0.05)
     with live(tiny_dir, [t0], max_sessions=1) as gateway:
         client = client_of(gateway)
-        holder = client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "one"}],
-            max_tokens=200,  # greedy, and far longer than any wait: it holds its session
-            temperature=0,
-            stream=True,
-        )
-        next(iter(holder))
+        holder = hold(client)
         body = {"model": MODEL, "messages": [{"role": "user", "content": "two"}], "max_tokens": 4}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=0.5)
