@@ -176,6 +176,12 @@ class Metrics:
             ["role"],
             registry=r,
         )
+        self.hung_calls = Counter(
+            "specsplit_hung_calls",
+            "Worker calls cancelled past their hang bound (each one also a failover)",
+            ["role"],
+            registry=r,
+        )
 
         self.start_at_zero()
 
@@ -194,6 +200,7 @@ class Metrics:
         for role in ROLES:
             self.history_resends.labels(role)
             self.failovers.labels(role)
+            self.hung_calls.labels(role)
 
     def observe_round(self, drafted: int, accepted: int, degraded: bool, prefix_hit: int) -> None:
         self.draft_tokens.inc(drafted)

@@ -4,8 +4,8 @@ A `Pool` holds the workers of one role. Its addresses are host:port pairs; a
 DNS name is re-resolved every `dns_refresh_s` and stands for every address it
 resolves to (a Kubernetes headless Service lists one address per pod), so pods
 that come and go join and leave the pool. Every worker is health-checked every
-`health_interval_s`; a call that fails marks it down at once, and the next
-passing check brings it back.
+`health_interval_s`; a call that fails (or hangs, gateway/hangs.py) marks it
+down at once, and the next passing check brings it back.
 
 The `Router` counts live choices against capacity (503 with no healthy target;
 gateway/admission.py queues the requests beyond it), picks the least loaded
@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.errors import APIError
+from gateway.hangs import CallTimes
 from gateway.metrics import Metrics
 from workers.protocol import Backend, BackendFactory, Role, WorkerInfo
 
@@ -49,6 +50,7 @@ class Worker:
     load: int = 0  # choices bound to it now
     picks: int = 0  # choices ever bound to it (breaks ties in least-loaded picks)
     ever_up: bool = False
+    times: CallTimes = field(default_factory=CallTimes)  # its recent calls (gateway.hangs)
 
     @property
     def serving(self) -> bool:

@@ -7,7 +7,8 @@ emit, re-sends after SessionLost); the gateway gives it:
   that is down or busy is replaced by another (none left: the target decodes
   alone); a target that is down is replaced with the full history
   (failover), a busy one by another; none left -> 503 (429 when they were
-  all busy); a call the target refuses as malformed -> 400.
+  all busy); a call the target refuses as malformed -> 400. A call that
+  hangs past its worker's bound (gateway.hangs) fails over like a crash.
 - `Speculation`, the Loop with the gateway's hooks. Two options change how
   trees are made, never what is committed:
   - adaptive trees (gateway.adaptive): each round's depth and budget follow
@@ -21,10 +22,13 @@ emit, re-sends after SessionLost); the gateway gives it:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from gateway.adaptive import Acceptance, AdaptiveConfig, adapt
 from gateway.errors import APIError
+from gateway.hangs import Hung
 from gateway.metrics import Metrics
 from gateway.overlap import Lookahead
 from gateway.pool import Router, Worker
@@ -33,6 +37,8 @@ from workers.loop import Loop, LoopState, Plan
 from workers.loop.driver import ATTEMPTS
 from workers.protocol import InvalidCall, ProposeCall, Role, TreeSpec, WorkerBusy, WorkerError
 from workers.speculation.tree import TokenTree, depths, spine
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,15 @@ class PoolRoute:
     def bind(self, role: Role, tried: set[str]) -> Worker | None:
         return self.router.bind(role, self.affinity, tried)
 
+    async def call(self, worker: Worker, tokens: int, call: Awaitable[T]) -> T:
+        """Bounded by the worker's recent calls while another worker of its role serves."""
+        pool = self.router.pool(worker.role)
+        elsewhere = any(w is not worker for w in pool.serving())
+        return await worker.times.timed(call, tokens, bounded=elsewhere)
+
     def failed(self, worker: Worker, error: WorkerError, session_id: str) -> None:
+        if isinstance(error, Hung):
+            self.metrics.hung_calls.labels(worker.role).inc()
         if isinstance(error, WorkerBusy):
             self.router.unbind(worker, session_id)
         else:

@@ -139,12 +139,15 @@ def live(model_dir: Path, backends: list, **kw) -> LiveGateway:
 
 
 class SlowTarget(InProcessTarget):
-    """A target that takes `delay` seconds per verify, so a test can act mid-stream."""
+    """A target that takes `delay` seconds per verify, so a test can act mid-stream;
+    setting `stall_s` makes its next verify take that much longer (a hang)."""
 
     delay: float = 0.0
+    stall_s: float = 0.0
 
     async def verify(self, call):
-        await asyncio.sleep(self.delay)
+        stall, self.stall_s = self.stall_s, 0.0
+        await asyncio.sleep(self.delay + stall)
         return await super().verify(call)
 
 

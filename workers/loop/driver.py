@@ -17,6 +17,9 @@ Failures, by role:
 - target: SessionLost -> re-send to it; down or busy -> the next worker the
   route offers; refused as malformed -> `Route.refused`; none left ->
   `Route.exhausted`.
+Every propose and verify goes through `Route.call`, which may bound it: the
+gateway cancels a call that hangs and fails it as WorkerDown, so a hang
+fails over like a crash (gateway/hangs.py).
 
 `Pair` is the route over one fixed draft and target (`specsplit generate`,
 the benchmarks, the tests); the gateway's route pools workers and fails
@@ -30,9 +33,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from workers.loop.state import Generation, LoopState, Plan, Round
 from workers.protocol import (
@@ -52,6 +55,8 @@ from workers.speculation.tree import TokenTree
 log = logging.getLogger("specsplit.loop")
 
 ATTEMPTS = 4  # calls per round and role before giving up (plus one per worker offered)
+
+T = TypeVar("T")
 
 
 class Placed(Protocol):
@@ -81,6 +86,9 @@ class Route(Protocol):
 
     def bind(self, role: Role, tried: set[str]) -> Placed | None:
         """A worker of the role not in `tried` (by address); None when none is left."""
+
+    async def call(self, worker: Placed, tokens: int, call: Awaitable[T]) -> T:
+        """Awaits a propose or verify of the worker that asks it to process `tokens` tokens."""
 
     def failed(self, worker: Placed, error: WorkerError, session_id: str) -> None:
         """The call failed (busy or down): stop using the worker for this session."""
@@ -188,7 +196,8 @@ class Loop:
             held = self.draft.held
             call = ProposeCall(self.session_id, held, self.history[held:], spec)
             try:
-                tree = await worker.backend.propose(call)
+                work = len(call.tokens) + spec.budget
+                tree = await self.route.call(worker, work, worker.backend.propose(call))
             except SessionLost as error:
                 self.resend("draft", error, tried)
                 continue
@@ -216,7 +225,8 @@ class Loop:
                 self.session_id, held, self.history[held:], tree, plan.params, plan.num_logprobs
             )
             try:
-                outcome = await worker.backend.verify(call)
+                work = len(call.tokens) + len(tree)
+                outcome = await self.route.call(worker, work, worker.backend.verify(call))
             except SessionLost as error:
                 self.resend("target", error, tried)
                 continue
@@ -311,6 +321,9 @@ class Pair:
         if worker is None or worker.address in tried:
             return None
         return worker
+
+    async def call(self, worker: Placed, tokens: int, call: Awaitable[T]) -> T:
+        return await call  # one target: nowhere else to go, so a slow call is waited for
 
     def failed(self, worker: Placed, error: WorkerError, session_id: str) -> None:
         log.warning("%s failed for %s: %s", worker.address, session_id, error)

@@ -1,0 +1,100 @@
+"""Hangs fail over as fast as crashes (gateway/hangs.py): the bound from a worker's own
+recent calls, and a stalled target behind the real gateway, with one target and with two."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from gateway import hangs
+from gateway.hangs import CallTimes, Hung
+from tests.gateway.helpers import live, slow_target
+from tests.gateway.test_routing import CHAT, client_of, stream_text
+
+
+def test_no_bound_until_the_worker_answered_enough_calls():
+    times = CallTimes()
+    for _ in range(hangs.MIN_CALLS - 1):
+        times.rates.append(0.001)
+    assert times.bound(10) is None
+    times.rates.append(0.001)
+    assert times.bound(10) == hangs.FLOOR_S  # 4 x 1 ms x 10 tokens is below the floor
+
+
+def test_the_bound_grows_with_the_tokens_and_the_slowest_recent_rate():
+    times = CallTimes()
+    times.rates.extend([0.001] * 98 + [0.01] * 2)  # 2 slow calls in 100 set the p99
+    assert times.bound(1000) == pytest.approx(hangs.FACTOR * 0.01 * 1000)
+    times.rates.extend([0.001] * hangs.WINDOW)  # the slow ones left the window
+    assert times.bound(1000) == pytest.approx(hangs.FACTOR * 0.001 * 1000)
+
+
+def test_a_call_past_its_bound_is_cancelled_and_one_within_it_is_timed():
+    async def run() -> None:
+        times = CallTimes()
+        times.rates.extend([0.001] * hangs.MIN_CALLS)
+        cancelled = asyncio.Event()
+
+        async def hang():
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+        assert await times.timed(asyncio.sleep(0, "ok"), 5, bounded=True) == "ok"
+        assert len(times.rates) == hangs.MIN_CALLS + 1 and times.in_flight == 0
+        with pytest.raises(Hung):
+            await times.timed(hang(), 5, bounded=True)
+        assert cancelled.is_set() and times.in_flight == 0
+
+    asyncio.run(run())
+
+
+def stall_the_busy_target_once_warm(gateway, backends, stall_s: float, stalled: list):
+    """An on_chunk callback: once the target serving the stream has answered enough calls
+    for a bound, its next verify stalls for stall_s."""
+
+    def on_chunk(_: int) -> None:
+        workers = gateway.gateway.router.targets.workers
+        busy = next((w for w in workers.values() if w.load > 0), None)
+        if stalled or busy is None or len(busy.times.rates) < hangs.MIN_CALLS:
+            return
+        next(b for b in backends if b.address == busy.address).stall_s = stall_s
+        stalled.append(busy.address)
+
+    return on_chunk
+
+
+def test_a_hung_target_fails_over_to_the_other_one_with_the_same_text(tiny_dir):
+    backends = [slow_target(tiny_dir, "t0", 0.01), slow_target(tiny_dir, "t1", 0.01)]
+    kw = dict(messages=CHAT, max_tokens=48, temperature=0)
+    with live(tiny_dir, backends, rpc_timeout_s=120) as gateway:
+        client = client_of(gateway)
+        clean = stream_text(client, **kw)
+        stream_text(client, **kw)  # the least-loaded pick alternates: both targets are warm
+        stalled: list[str] = []
+        on_chunk = stall_the_busy_target_once_warm(gateway, backends, 60, stalled)
+        faulted = stream_text(client, on_chunk=on_chunk, **kw)
+        assert stalled
+        assert faulted == clean
+        metrics = httpx.get(gateway.url + "/metrics").text
+        assert 'specsplit_hung_calls_total{role="target"} 1.0' in metrics
+        assert 'specsplit_failovers_total{role="target"} 1.0' in metrics
+
+
+def test_with_one_target_a_slow_call_is_waited_for(tiny_dir):
+    backends = [slow_target(tiny_dir, "t0", 0.01)]
+    kw = dict(messages=CHAT, max_tokens=48, temperature=0)
+    with live(tiny_dir, backends) as gateway:
+        client = client_of(gateway)
+        clean = stream_text(client, **kw)
+        stalled: list[str] = []
+        on_chunk = stall_the_busy_target_once_warm(gateway, backends, 2 * hangs.FLOOR_S, stalled)
+        assert stream_text(client, on_chunk=on_chunk, **kw) == clean
+        assert stalled
+        metrics = httpx.get(gateway.url + "/metrics").text
+        assert 'specsplit_hung_calls_total{role="target"} 0.0' in metrics
+        assert 'specsplit_failovers_total{role="target"} 0.0' in metrics
