@@ -18,7 +18,7 @@ from gateway.admission import Admissions
 from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.pool import Pool, Router
-from tests.gateway.helpers import MODEL, live, slow_target, target, wait_until
+from tests.gateway.helpers import MODEL, SlowTarget, live, slow_target, target, wait_until
 from workers.loop.inprocess import InProcessFactory
 
 
@@ -155,9 +155,9 @@ def client_of(gateway) -> OpenAI:
     return OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
 
 
-def hold(client: OpenAI):
-    """A stream that has started and holds its session for longer than any wait here
-    (greedy, so no early end of sequence whatever the tests before it left in the RNG)."""
+def hold(client: OpenAI, target: SlowTarget):
+    """A stream that has started and then holds its session until it is closed: the
+    target's next verify stalls, so no end of sequence can end it early."""
     holder = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "one"}],
@@ -166,6 +166,7 @@ def hold(client: OpenAI):
         stream=True,
     )
     next(iter(holder))
+    target.stall_s = 60.0
     return holder
 
 
@@ -200,7 +201,7 @@ def test_a_full_queue_is_429_with_retry_after(tiny_dir):
     t0 = slow_target(tiny_dir, "t0", 0.05)
     with live(tiny_dir, [t0], max_sessions=1, max_waiting=1) as gateway:
         client = client_of(gateway)
-        holder = hold(client)
+        holder = hold(client, t0)
         queued = threading.Thread(target=stream_text, args=(client, "two"))
         queued.start()
         wait_until(lambda: len(gateway.gateway.admissions.waiters) == 1, what="one waiting")
@@ -219,7 +220,7 @@ def test_a_stream_that_waits_past_the_bound_is_an_http_429(tiny_dir):
     t0 = slow_target(tiny_dir, "t0", 0.05)
     with live(tiny_dir, [t0], max_sessions=1, max_queue_wait_s=0.3) as gateway:
         client = client_of(gateway)
-        holder = hold(client)
+        holder = hold(client, t0)
         with pytest.raises(openai.RateLimitError) as refused:
             stream_text(client, "two")
         assert refused.value.body["code"] == "queue_timeout"
@@ -231,7 +232,7 @@ def test_a_client_that_leaves_while_waiting_leaves_the_queue(tiny_dir):
     t0 = slow_target(tiny_dir, "t0", 0.05)
     with live(tiny_dir, [t0], max_sessions=1) as gateway:
         client = client_of(gateway)
-        holder = hold(client)
+        holder = hold(client, t0)
         body = {"model": MODEL, "messages": [{"role": "user", "content": "two"}], "max_tokens": 4}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=0.5)
