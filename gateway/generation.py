@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from gateway.adaptive import Acceptance, AdaptiveConfig
 from gateway.metrics import Metrics
-from gateway.pool import Admission, Router
+from gateway.pool import Admission, Router, shutting_down
 from gateway.speculation import LoopOptions, Speculation
 from gateway.text import Piece, TextStream
 from workers.loop import Counters, Plan
@@ -155,6 +155,8 @@ class Generator:
                         )
                     if finish is not None:
                         break
+                    if self.router.cut:
+                        raise shutting_down(self.router.retry_after_s)
         finally:
             self.leave_choice(speculation, text, record)
 

@@ -35,6 +35,7 @@ log = logging.getLogger("specsplit.gateway")
 
 DISCONNECT_POLL_S = 0.25
 DRAIN_POLL_S = 0.05
+CUT_GRACE_S = 3.0  # after the drain timed out: for those still generating to send the 503
 
 
 def load_target_tokenizer(model: str):
@@ -132,15 +133,24 @@ class Gateway:
 
     async def drain(self, timeout_s: float, cut: asyncio.Event) -> bool:
         """What SIGTERM does first: readiness and new requests get 503 while the requests
-        in flight finish, for up to `timeout_s` or until `cut`. True when none was left."""
+        in flight finish, for up to `timeout_s` or until `cut`. Those still generating then
+        end with a 503 shutting_down (a final SSE error event when streaming), given
+        CUT_GRACE_S to send it. True when none was cut."""
         self.router.draining = True
         self.admissions.wake()  # the requests still waiting get the 503 now
+        await self.wait_idle(timeout_s, cut)
+        if not self.router.live:
+            return True
+        log.warning("drain timed out with %d choices still generating", self.router.live)
+        if not cut.is_set():
+            self.router.cut = True  # each ends with the 503 after its current round
+            await self.wait_idle(CUT_GRACE_S, cut)
+        return False
+
+    async def wait_idle(self, timeout_s: float, cut: asyncio.Event) -> None:
         deadline = time.monotonic() + timeout_s
         while self.router.live > 0 and time.monotonic() < deadline and not cut.is_set():
             await asyncio.sleep(DRAIN_POLL_S)
-        if self.router.live:
-            log.warning("drain timed out with %d choices still generating", self.router.live)
-        return self.router.live == 0
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
