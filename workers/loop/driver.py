@@ -222,7 +222,13 @@ class Loop:
                 break
             held = self.target.held
             call = VerifyCall(
-                self.session_id, held, self.history[held:], tree, plan.params, plan.num_logprobs
+                self.session_id,
+                held,
+                self.history[held:],
+                tree,
+                plan.params,
+                plan.num_logprobs,
+                plan.acceptance,
             )
             try:
                 work = len(call.tokens) + len(tree)
