@@ -10,7 +10,9 @@ import pytest
 from tests.gateway.helpers import write_tiny_model
 from workers.tools import generate
 
-ROUND = re.compile(r"round +(\d+)  drafted +(\d+)  accepted +(\d+)  bonus (\".*?\") +[\d.]+ ms  \+(.*)")
+ROUND = re.compile(
+    r"round +(\d+)  drafted +(\d+)  accepted +(\d+)  bonus (\".*?\") +[\d.]+ ms  \+(.*)"
+)
 
 
 @pytest.fixture(scope="module")
