@@ -53,8 +53,7 @@ class SpeculationRequest(Strict):
             if getattr(self, name) is not None and self.acceptance != rule:
                 raise APIError(
                     400,
-                    f"`speculation.{name}` belongs to acceptance \"{rule}\", not "
-                    f"\"{self.acceptance}\"",
+                    f'`speculation.{name}` belongs to acceptance "{rule}", not "{self.acceptance}"',
                     f"speculation.{name}",
                 )
 
