@@ -42,18 +42,20 @@ class Control:
 def control(
     request: SpeculationRequest | None,
     server: TreeSpec,
-    available: Method,
+    default: Method,
+    available: set[str],
     allow_lossy: bool,
 ) -> Control:
-    """The request's speculation within the server's tree `server`, the deployment's drafter
-    `available` ("off" when it has none) and whether lossy rules are allowed."""
+    """The request's speculation within the server's tree `server`, its drafters `available`
+    ("ngram", "draft"), the one "auto" means (`default`, "off" when none) and whether lossy
+    rules are allowed."""
     request = request or SpeculationRequest()
-    method = available if request.method == "auto" else request.method
-    if method not in ("off", available):
-        has = "no draft" if available == "off" else f'the "{available}" draft only'
+    method = default if request.method == "auto" else request.method
+    if method != "off" and method not in available:
+        has = " and ".join(f'"{m}"' for m in sorted(available)) or "no draft"
         raise APIError(
             400,
-            f'`speculation.method` "{method}" is not available: this server has {has}',
+            f'`speculation.method` "{method}" is not available: this server drafts with {has}',
             "speculation.method",
             "speculation_method_unavailable",
         )

@@ -132,6 +132,7 @@ class Generator:
             index,
             self.options,
             self.recent,
+            request.control.method,
         )
         text = TextStream(self.tokenizer, request.stop)
         last_round: float | None = None

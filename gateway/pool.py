@@ -235,6 +235,7 @@ class Router:
     max_sessions: int = 64  # choices generated at once, over all workers
     affinity_entries: int = 10_000  # conversations remembered
     retry_after_s: int = 2
+    ngram: Pool | None = None  # the in-gateway n-gram drafter, when the drafts are workers
     draining: bool = False  # set on SIGTERM: new requests get 503, live ones finish
     cut: bool = False  # set when the drain timed out: the live ones end with a 503 event
     live: int = 0
@@ -244,6 +245,26 @@ class Router:
 
     def pool(self, role: Role) -> Pool | None:
         return self.targets if role == "target" else self.drafts
+
+    def draft_pools(self) -> dict[str, Pool]:
+        """The drafters a request may ask for by method: "ngram" (the n-gram drafter, in the
+        gateway or as workers) and "draft" (draft model workers)."""
+        pools: dict[str, Pool] = {}
+        if self.drafts is not None:
+            infos = [w.info for w in self.drafts.workers.values() if w.info is not None]
+            ngram = bool(infos) and all(i.model_id == "ngram" for i in infos)
+            pools["ngram" if ngram else "draft"] = self.drafts
+        if self.ngram is not None:
+            pools.setdefault("ngram", self.ngram)
+        return pools
+
+    def pools(self) -> list[Pool]:
+        """Every pool: targets, drafts and the in-gateway n-gram drafter."""
+        return [p for p in (self.targets, self.drafts, self.ngram) if p is not None]
+
+    def owner(self, worker: Worker) -> Pool:
+        """The pool the worker belongs to."""
+        return next(p for p in self.pools() if p.workers.get(worker.address) is worker)
 
     def healthy(self) -> bool:
         """At least one target, and one draft unless drafting is off or in-gateway."""
@@ -297,9 +318,12 @@ class Router:
                 return sid
         return uuid.uuid4().hex
 
-    def bind(self, role: Role, key: str | None, exclude: set[str]) -> Worker | None:
-        """The affine worker when it is serving, else the least loaded one."""
-        pool = self.pool(role)
+    def bind(
+        self, role: Role, key: str | None, exclude: set[str], pool: Pool | None = None
+    ) -> Worker | None:
+        """The affine worker of `pool` (default: the role's) when it is serving, else the
+        least loaded one."""
+        pool = pool or self.pool(role)
         candidates = [w for w in pool.serving() if w.address not in exclude] if pool else []
         if not candidates:
             return None
@@ -323,7 +347,7 @@ class Router:
 
     def fail(self, worker: Worker, error: Exception, session_id: str) -> None:
         """A call to the worker failed: mark it down (its sessions move elsewhere)."""
-        self.pool(worker.role).mark_down(worker, f"{type(error).__name__}: {error}")
+        self.owner(worker).mark_down(worker, f"{type(error).__name__}: {error}")
         self.metrics.failovers.labels(worker.role).inc()
         self.unbind(worker, session_id)
 

@@ -19,7 +19,7 @@ from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from gateway.admission import Admissions
-from gateway.control import Method, control
+from gateway.control import control
 from gateway.errors import APIError
 from gateway.generation import GenerationRequest, Generator, Record
 from gateway.metrics import Metrics
@@ -85,12 +85,13 @@ class Gateway:
         targets = pool("target", split_addresses(settings.target_addresses))
         if not targets.addresses:
             raise ValueError("no target workers: set --target-addresses")
-        drafts: Pool | None = None
+        # the gateway's own n-gram drafter: the default draft, and there for requests that
+        # ask for "ngram" when the drafts are workers or off by default
+        local = local_ngram_draft(max(2 * settings.max_sessions, 64))
+        ngram = pool("draft", [local.address], InProcessFactory([local]))
+        drafts = ngram if settings.local_draft == "ngram" else None
         if settings.draft_addresses:
             drafts = pool("draft", split_addresses(settings.draft_addresses))
-        elif settings.local_draft == "ngram":
-            local = local_ngram_draft(max(2 * settings.max_sessions, 64))
-            drafts = pool("draft", [local.address], InProcessFactory([local]))
         router = Router(
             targets,
             drafts,
@@ -98,16 +99,16 @@ class Gateway:
             settings.max_sessions,
             settings.affinity_entries,
             retry_after_s=max(1, round(settings.health_interval_s)),
+            ngram=ngram if drafts is not ngram else None,
         )
-        await asyncio.gather(*(p.start() for p in (targets, drafts) if p is not None))
+        await asyncio.gather(*(p.start() for p in router.pools()))
         generator = Generator(router, tokenizer, metrics, settings.loop_options)
         return cls(settings, tokenizer, router, metrics, generator, int(time.time()))
 
     async def close(self) -> None:
         await self.router.drain()
-        for p in (self.router.targets, self.router.drafts):
-            if p is not None:
-                await p.close()
+        for p in self.router.pools():
+            await p.close()
 
     # --- endpoints ----------------------------------------------------------
 
@@ -208,17 +209,10 @@ class Gateway:
             eos.add(self.tokenizer.eos_token_id)
         affinity = request.headers.get("x-session-id") or body.user
         s = self.settings
-        spec = control(body.speculation, s.tree_spec, self.draft_method(), s.allow_lossy)
+        pools = self.router.draft_pools()
+        default = next((m for m, p in pools.items() if p is self.router.drafts), "off")
+        spec = control(body.speculation, s.tree_spec, default, set(pools), s.allow_lossy)
         return generation_request(body, prompts, s, context, frozenset(eos), affinity, spec)
-
-    def draft_method(self) -> Method:
-        """What drafts this deployment's trees: "ngram" when every draft worker it has heard
-        from is the n-gram drafter (the in-gateway one included), "off" without drafts."""
-        drafts = self.router.drafts
-        if drafts is None:
-            return "off"
-        infos = [w.info for w in drafts.workers.values() if w.info is not None]
-        return "ngram" if infos and all(i.model_id == "ngram" for i in infos) else "draft"
 
     async def respond(
         self, plan: GenerationRequest, fmt: Format, endpoint: str, stream: bool, request: Request

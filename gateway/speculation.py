@@ -31,7 +31,7 @@ from gateway.errors import APIError
 from gateway.hangs import Hung
 from gateway.metrics import Metrics
 from gateway.overlap import Lookahead
-from gateway.pool import Router, Worker
+from gateway.pool import Pool, Router, Worker
 from workers.engine.sessions import common_prefix
 from workers.loop import Loop, LoopState, Plan
 from workers.loop.driver import ATTEMPTS
@@ -56,20 +56,28 @@ class PoolRoute:
     router: Router
     metrics: Metrics
     affinity: str | None = None  # conversation key: its workers are preferred
+    method: str = "auto"  # the request's drafter: auto (the deployment's), off, ngram, draft
+
+    def pool(self, role: Role) -> Pool | None:
+        if role == "target":
+            return self.router.targets
+        if self.method == "auto":
+            return self.router.drafts
+        return self.router.draft_pools().get(self.method)  # "off": none
 
     @property
     def drafts(self) -> bool:
-        return self.router.drafts is not None
+        return self.pool("draft") is not None
 
     def attempts(self, role: Role) -> int:
-        return ATTEMPTS + len(self.router.pool(role).workers)
+        return ATTEMPTS + len(self.pool(role).workers)
 
     def bind(self, role: Role, tried: set[str]) -> Worker | None:
-        return self.router.bind(role, self.affinity, tried)
+        return self.router.bind(role, self.affinity, tried, self.pool(role))
 
     async def call(self, worker: Worker, tokens: int, call: Awaitable[T]) -> T:
-        """Bounded by the worker's recent calls while another worker of its role serves."""
-        pool = self.router.pool(worker.role)
+        """Bounded by the worker's recent calls while another worker of its pool serves."""
+        pool = self.router.owner(worker)
         elsewhere = any(w is not worker for w in pool.serving())
         return await worker.times.timed(call, tokens, bounded=elsewhere)
 
@@ -114,11 +122,12 @@ class Speculation(Loop):
         index: int = 0,
         options: LoopOptions = LoopOptions(),
         recent: Acceptance | None = None,
+        method: str = "auto",
     ):
         # a conversation keeps its sessions (and their cached prefix) for its next turn
         super().__init__(
             LoopState(plan),
-            PoolRoute(router, metrics, affinity),
+            PoolRoute(router, metrics, affinity, method),
             router.session_id(affinity, index),
             keep=affinity is not None,
         )

@@ -169,10 +169,30 @@ def test_lossy_is_refused_unless_the_server_allows_it(tiny_dir, tiny_draft_dir):
                 "speculation.acceptance",
                 "lossy_acceptance_forbidden",
             )
-        assert error_of(ask(gateway, {"method": "ngram"}))["param"] == "speculation.method"
         with pytest.raises(openai.BadRequestError):
             chat(sdk(gateway), {"acceptance": "typical"})
+        auto = chat(sdk(gateway))
         reply = chat(sdk(gateway), {"method": "draft", "max_nodes": 2})
         stats = reply.model_extra["speculation_stats"]
         assert (stats["method"], stats["max_nodes"], stats["lossless"]) == ("draft", 2, True)
+        assert auto.model_extra["speculation_stats"]["method"] == "draft"
+        ngram = chat(sdk(gateway), {"method": "ngram"})  # the gateway's own n-gram drafter
+        stats = ngram.model_extra["speculation_stats"]
+        assert stats["method"] == "ngram" and stats["accepted_tokens"] > 0
+        texts = {r.choices[0].message.content for r in (auto, reply, ngram)}
+        assert len(texts) == 1
         assert all(c.acceptance == EXACT for c in backends[0].calls)
+
+
+def test_without_a_draft_auto_is_off_and_draft_is_a_400(tiny_dir):
+    with live(tiny_dir, [recording_target(tiny_dir)], local_draft="none") as gateway:
+        error = error_of(ask(gateway, {"method": "draft"}))
+        assert (error["param"], error["code"]) == (
+            "speculation.method",
+            "speculation_method_unavailable",
+        )
+        stats = chat(sdk(gateway)).model_extra["speculation_stats"]
+        assert stats["method"] == "off" and stats["draft_tokens"] == 0
+        assert chat(sdk(gateway), {"method": "ngram"}).model_extra["speculation_stats"][
+            "draft_tokens"
+        ] > 0
