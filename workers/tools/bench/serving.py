@@ -131,10 +131,17 @@ class Serve(ServeProcess):
 
 
 async def stream_chat(
-    client: httpx.AsyncClient, url: str, messages: list[dict], max_tokens: int, count_tokens
+    client: httpx.AsyncClient,
+    url: str,
+    messages: list[dict],
+    max_tokens: int,
+    count_tokens,
+    extra: dict | None = None,
 ) -> Timed:
-    """One streaming chat completion, greedy; `count_tokens(text)` sizes each chunk."""
+    """One streaming chat completion, greedy; `count_tokens(text)` sizes each chunk; `extra`
+    adds fields to the body."""
     body = {
+        **(extra or {}),
         "model": MODEL_NAME,
         "messages": messages,
         "max_tokens": max_tokens,
