@@ -193,6 +193,7 @@ def test_without_a_draft_auto_is_off_and_draft_is_a_400(tiny_dir):
         )
         stats = chat(sdk(gateway)).model_extra["speculation_stats"]
         assert stats["method"] == "off" and stats["draft_tokens"] == 0
-        assert chat(sdk(gateway), {"method": "ngram"}).model_extra["speculation_stats"][
-            "draft_tokens"
-        ] > 0
+        assert (
+            chat(sdk(gateway), {"method": "ngram"}).model_extra["speculation_stats"]["draft_tokens"]
+            > 0
+        )
