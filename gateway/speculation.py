@@ -211,7 +211,9 @@ class Speculation(Loop):
         if len(tree):
             path_depth = int(depths(tree.parents).max())
             self.acceptance.observe(round_.accepted, path_depth, self.config)
-            if self.recent is not None:
+            # a lossy rule accepts more than the draft deserves: other sessions start from
+            # what exact rounds accepted
+            if self.recent is not None and self.state.plan.acceptance.lossless:
                 self.recent.observe(round_.accepted, path_depth, self.config)
         self.metrics.observe_round(
             round_.drafted, round_.accepted, round_.degraded, round_.prefix_hit
