@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import httpx
 import pytest
 import torch
 from openai import OpenAI
@@ -145,3 +146,12 @@ def test_a_round_says_whether_its_last_token_corrects_a_draft_guess(accepted, co
     alone = LoopState(Plan([1], 4, SamplingParams()))
     empty = alone.commit(tree([], []), VerifyOutcome([], [3], None, 0))
     assert empty.corrected is False  # no draft at all: the target's token is a bonus
+
+
+def test_the_playground_page_and_script_are_served_without_a_key(ngram_client):
+    base = str(ngram_client.base_url).removesuffix("/v1/")
+    page = httpx.get(f"{base}/playground")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert '<script src="/static/playground.js">' in page.text
+    script = httpx.get(f"{base}/static/playground.js")
+    assert script.status_code == 200 and "include_provenance" in script.text
