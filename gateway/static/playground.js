@@ -163,7 +163,6 @@ class Panel {
 
 // Streams one run into a panel; returns its figures (null when it failed).
 async function run(panel, s, model, off) {
-  panel.reset();
   const url = s.mode === "chat" ? "/v1/chat/completions" : "/v1/completions";
   const started = performance.now();
   let firstAt = null, usage = null, stats = null, fromDraft = 0;
@@ -225,21 +224,28 @@ async function start(event) {
   if (event) event.preventDefault();
   const s = settings();
   updateLink();
+  document.body.dataset.state = "running";
   const spec = new Panel("spec"), off = new Panel("off");
+  spec.reset();  // both panels are "running" from now until their run ends
+  off.reset();
   $("off").hidden = !s.compare;
   $("speedup").textContent = "";
+  delete $("speedup").dataset.ratio;
   $("run").disabled = true;
   try {
     let model;
     try {
       model = await modelName();
     } catch (e) {
-      spec.reset();
       spec.fail(String(e.message || e));
+      off.fail("not run");
       return;
     }
     const on = await run(spec, s, model, false);
-    if (!s.compare) return;
+    if (!s.compare) {
+      off.section.dataset.state = "idle";
+      return;
+    }
     const plain = await run(off, s, model, true);  // one after the other: no shared cores
     if (on && plain) {
       $("speedup").textContent =
