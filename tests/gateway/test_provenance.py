@@ -9,8 +9,11 @@ import pytest
 import torch
 from openai import OpenAI
 
+from gateway.provenance import Provenance
+from gateway.text import TextStream
 from tests.gateway.helpers import MODEL, live, model_draft, target
-from workers.loop.state import LoopState, Plan
+from tests.gateway.test_text import ids
+from workers.loop.state import LoopState, Plan, Round
 from workers.protocol import VerifyOutcome
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree
@@ -125,6 +128,23 @@ def test_provenance_needs_a_stream(ngram_client):
             model=MODEL, messages=CHAT, max_tokens=4, stream_options={"include_provenance": True}
         )
     assert refused.value.status_code == 400
+
+
+def test_a_character_held_across_rounds_keeps_each_tokens_round_and_source(byte_tokenizer):
+    text, origins = TextStream(byte_tokenizer, []), Provenance()
+    a, e1, e2, b = ids(byte_tokenizer, "aéb")  # é is two byte tokens
+    sent = []
+    for tokens, accepted in (([a, e1], 1), ([e2, b], 1)):  # é's bytes in two rounds
+        round_ = Round(tokens, None, None, drafted=2, accepted=accepted, corrected=True)
+        origins.add(round_, "ngram", (0.001, 0.002))
+        sent.append(origins.take(text.push(tokens)))
+    first, second = (
+        [(t["i"], t["text"], t["round"], t["source"]) for t in s["tokens"]] for s in sent
+    )
+    assert first == [(0, "a", 1, "draft")]  # é's first byte waits, with its round's facts
+    assert second == [(1, "é", 1, "target"), (2, "", 2, "draft"), (3, "b", 2, "target")]
+    assert [r["round"] for r in sent[0]["rounds"] + sent[1]["rounds"]] == [1, 2]
+    assert sent[1]["tokens"][0]["kind"] == "correction"
 
 
 def tree(tokens: list[int], parents: list[int]) -> TokenTree:

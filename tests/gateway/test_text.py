@@ -3,23 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from gateway.text import IncrementalDetokenizer, StopStrings, TextStream, TokenText
 from tests.gateway.helpers import word_tokenizer
-
-
-@pytest.fixture(scope="module")
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level BPE without merges: one token per UTF-8 byte, like GPT-2's base alphabet."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    vocab["</s>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
 
 
 def ids(tokenizer, text: str) -> list[int]:
