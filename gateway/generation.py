@@ -19,13 +19,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway.adaptive import Acceptance, AdaptiveConfig
+from gateway.control import Control
 from gateway.metrics import Metrics
-from gateway.pool import Admission, Router
+from gateway.pool import Admission, Router, shutting_down
 from gateway.provenance import Provenance
 from gateway.speculation import LoopOptions, Speculation
 from gateway.text import Piece, TextStream
 from workers.loop import Counters, Plan
-from workers.protocol import TokenLogprob, TreeSpec
+from workers.protocol import TokenLogprob
 from workers.speculation.sampling import SamplingParams
 
 
@@ -38,7 +39,7 @@ class GenerationRequest:
     max_tokens: list[int]  # per prompt (bounded by the context left after it)
     params: SamplingParams
     stop: list[str]
-    spec: TreeSpec
+    control: Control  # how it speculates: method, largest tree, acceptance rule
     stop_ids: frozenset[int]
     num_logprobs: int = -1
     affinity: str | None = None
@@ -60,9 +61,10 @@ class GenerationRequest:
             self.prompts[prompt],
             self.max_tokens[prompt],
             params,
-            self.spec,
+            self.control.spec,
             self.stop_ids,
             self.num_logprobs,
+            self.control.acceptance,
         )
 
 
@@ -169,6 +171,8 @@ class Generator:
                         )
                     if finish is not None:
                         break
+                    if self.router.cut:
+                        raise shutting_down(self.router.retry_after_s)
         finally:
             self.leave_choice(speculation, text, record)
 

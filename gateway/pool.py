@@ -236,6 +236,7 @@ class Router:
     affinity_entries: int = 10_000  # conversations remembered
     retry_after_s: int = 2
     draining: bool = False  # set on SIGTERM: new requests get 503, live ones finish
+    cut: bool = False  # set when the drain timed out: the live ones end with a 503 event
     live: int = 0
     affinity: OrderedDict[str, dict[Role, str]] = field(default_factory=OrderedDict)
     busy_ids: set[str] = field(default_factory=set)  # worker session ids in use
@@ -268,13 +269,7 @@ class Router:
         """Whether n more live choices fit now; raises 503 (draining, no target) or 400
         (never fit)."""
         if self.draining:
-            raise APIError(
-                503,
-                "this server is shutting down: retry (another replica takes the request)",
-                None,
-                "shutting_down",
-                self.retry_after_s,
-            )
+            raise shutting_down(self.retry_after_s)
         capacity = self.capacity()
         if not capacity:
             raise APIError(
@@ -354,3 +349,15 @@ class Router:
         """Waits for the EndSession calls in flight (on shutdown)."""
         if self.pending:
             await asyncio.wait(list(self.pending), timeout=CALL_TIMEOUT_S)
+
+
+def shutting_down(retry_after_s: int) -> APIError:
+    """The 503 of a server that drains: new requests get it at once, and the requests
+    still generating when the drain times out end with it."""
+    return APIError(
+        503,
+        "this server is shutting down: retry (another replica takes the request)",
+        None,
+        "shutting_down",
+        retry_after_s,
+    )

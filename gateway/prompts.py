@@ -7,6 +7,7 @@ are checked here, so the loop only ever sees requests it can finish.
 
 from __future__ import annotations
 
+from gateway.control import Control
 from gateway.errors import APIError, bad_request, unsupported
 from gateway.generation import GenerationRequest
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
@@ -91,6 +92,7 @@ def generation_request(
     context_length: int,
     stop_ids: frozenset[int],
     affinity: str | None,
+    control: Control,
 ) -> GenerationRequest:
     """Checks the request's limits against the server's and the context's."""
     if request.n > options.max_n:
@@ -128,7 +130,7 @@ def generation_request(
         max_tokens=max_tokens,
         params=params,
         stop=stop_strings(request),
-        spec=options.tree_spec,
+        control=control,
         stop_ids=stop_ids,
         num_logprobs=request.num_logprobs,
         affinity=affinity,

@@ -46,7 +46,8 @@ class Format:
     tokens: TokenText  # the gateway's, shared by every request
     choices: int
     include_usage: bool = False
-    speculation_stats: bool = False
+    speculation_stats: bool = False  # asked for; a lossy response carries them regardless
+    speculation: dict = field(default_factory=dict)  # the request's Control.stats()
     num_logprobs: int = -1
     echo: list[str] | None = None  # per prompt: its text, prepended to its choices (completions)
     n: int = 1
@@ -74,6 +75,14 @@ class Format:
         return self.head(
             **fields, object="chat.completion.chunk" if self.chat else "text_completion"
         )
+
+    @property
+    def reports_speculation(self) -> bool:
+        """Asked for, or lossy: a lossy response always says so."""
+        return self.speculation_stats or self.speculation.get("lossless") is False
+
+    def stats(self, record: Record) -> dict:
+        return {**record.counters.as_dict(), **self.speculation}
 
     def token_text(self, token: int) -> str:
         return self.tokens(token)[0]
@@ -138,8 +147,8 @@ class Format:
         tail = {}
         if self.include_usage:
             tail["usage"] = record.usage
-        if self.speculation_stats:
-            tail["speculation_stats"] = record.counters.as_dict()
+        if self.reports_speculation:
+            tail["speculation_stats"] = self.stats(record)
         if tail:
             yield self.chunk(choices=[], **tail)
 
@@ -175,8 +184,8 @@ class Format:
         body = self.head(
             choices=[self.full_choice(i, c) for i, c in enumerate(choices)], usage=record.usage
         )
-        if self.speculation_stats:
-            body["speculation_stats"] = record.counters.as_dict()
+        if self.reports_speculation:
+            body["speculation_stats"] = self.stats(record)
         return body
 
     def full_choice(self, index: int, c: Choice) -> dict:

@@ -28,6 +28,37 @@ class StreamOptions(Strict):
     include_provenance: bool = False  # extension: where each token came from (`specsplit`)
 
 
+class SpeculationRequest(Strict):
+    """The `speculation` extra-body field: how this request speculates (all optional).
+
+    `method`: "auto" (the deployment's draft), "off" (the target alone), "ngram" (the
+    n-gram drafter) or "draft" (a draft model); a method the deployment lacks is a 400.
+    `max_depth` / `max_nodes` cap the server's tree (--tree-depth / --tree-budget).
+    `acceptance`: "exact" (lossless, the default), or a lossy rule the server must allow
+    (--allow-lossy): "threshold" accepts a draft token the target gives at least
+    `threshold`; "typical" (Medusa) one with p > min(`epsilon`, `delta` * exp(-entropy)).
+    """
+
+    method: Literal["auto", "off", "ngram", "draft"] = "auto"
+    max_depth: int | None = Field(None, ge=0, le=64)  # most draft tokens along one path
+    max_nodes: int | None = Field(None, ge=0, le=1024)  # most draft tree nodes per round
+    acceptance: Literal["exact", "threshold", "typical"] = "exact"
+    threshold: float | None = Field(None, gt=0.0, le=1.0)  # "threshold": least p_target
+    epsilon: float | None = Field(None, gt=0.0, le=1.0)  # "typical": the probability cap
+    delta: float | None = Field(None, gt=0.0, le=1.0)  # "typical": the entropy scale
+
+    def refuse_unsupported(self) -> None:
+        """Each rule's parameters only with that rule."""
+        owners = {"threshold": "threshold", "epsilon": "typical", "delta": "typical"}
+        for name, rule in owners.items():
+            if getattr(self, name) is not None and self.acceptance != rule:
+                raise APIError(
+                    400,
+                    f'`speculation.{name}` belongs to acceptance "{rule}", not "{self.acceptance}"',
+                    f"speculation.{name}",
+                )
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")  # other part types are refused by name later
 
@@ -57,6 +88,7 @@ class SamplingFields(Strict):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     speculation_stats: bool = False  # extra body: this request's speculation counters
+    speculation: SpeculationRequest | None = None  # extra body: how this request speculates
     # known OpenAI parameters that this server does not build: refused when set
     logit_bias: dict[str, float] | None = None
     metadata: dict[str, Any] | None = None
@@ -77,6 +109,8 @@ class SamplingFields(Strict):
             value = getattr(self, name)
             if value not in (None, False, {}, [], "auto", "none", "default"):
                 raise unsupported(name)
+        if self.speculation is not None:
+            self.speculation.refuse_unsupported()
         if self.stream_options is not None and not self.stream:
             raise APIError(
                 400, "`stream_options` is only allowed with stream=true", "stream_options"

@@ -19,6 +19,7 @@ from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from gateway.admission import Admissions
+from gateway.control import Method, control
 from gateway.errors import APIError
 from gateway.generation import GenerationRequest, Generator, Record
 from gateway.metrics import Metrics
@@ -35,6 +36,8 @@ log = logging.getLogger("specsplit.gateway")
 
 DISCONNECT_POLL_S = 0.25
 DRAIN_POLL_S = 0.05
+ACCEPTANCE_HEADER = "x-specsplit-acceptance"  # "exact", or the lossy rule that made the text
+CUT_GRACE_S = 3.0  # after the drain timed out: for those still generating to send the 503
 
 
 def load_target_tokenizer(model: str):
@@ -132,15 +135,24 @@ class Gateway:
 
     async def drain(self, timeout_s: float, cut: asyncio.Event) -> bool:
         """What SIGTERM does first: readiness and new requests get 503 while the requests
-        in flight finish, for up to `timeout_s` or until `cut`. True when none was left."""
+        in flight finish, for up to `timeout_s` or until `cut`. Those still generating then
+        end with a 503 shutting_down (a final SSE error event when streaming), given
+        CUT_GRACE_S to send it. True when none was cut."""
         self.router.draining = True
         self.admissions.wake()  # the requests still waiting get the 503 now
+        await self.wait_idle(timeout_s, cut)
+        if not self.router.live:
+            return True
+        log.warning("drain timed out with %d choices still generating", self.router.live)
+        if not cut.is_set():
+            self.router.cut = True  # each ends with the 503 after its current round
+            await self.wait_idle(CUT_GRACE_S, cut)
+        return False
+
+    async def wait_idle(self, timeout_s: float, cut: asyncio.Event) -> None:
         deadline = time.monotonic() + timeout_s
         while self.router.live > 0 and time.monotonic() < deadline and not cut.is_set():
             await asyncio.sleep(DRAIN_POLL_S)
-        if self.router.live:
-            log.warning("drain timed out with %d choices still generating", self.router.live)
-        return self.router.live == 0
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
@@ -183,6 +195,7 @@ class Gateway:
             choices=plan.choices,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             speculation_stats=body.speculation_stats,
+            speculation=plan.control.stats(),
             num_logprobs=plan.num_logprobs,
             echo=echo,
             n=plan.n,
@@ -194,7 +207,18 @@ class Gateway:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         affinity = request.headers.get("x-session-id") or body.user
-        return generation_request(body, prompts, self.settings, context, frozenset(eos), affinity)
+        s = self.settings
+        spec = control(body.speculation, s.tree_spec, self.draft_method(), s.allow_lossy)
+        return generation_request(body, prompts, s, context, frozenset(eos), affinity, spec)
+
+    def draft_method(self) -> Method:
+        """What drafts this deployment's trees: "ngram" when every draft worker it has heard
+        from is the n-gram drafter (the in-gateway one included), "off" without drafts."""
+        drafts = self.router.drafts
+        if drafts is None:
+            return "off"
+        infos = [w.info for w in drafts.workers.values() if w.info is not None]
+        return "ngram" if infos and all(i.model_id == "ngram" for i in infos) else "draft"
 
     async def respond(
         self, plan: GenerationRequest, fmt: Format, endpoint: str, stream: bool, request: Request
@@ -203,14 +227,17 @@ class Gateway:
         admission = await until_disconnected(request, self.admissions.admit(plan.choices))
         record = Record(endpoint, getattr(request.state, "arrived", None) or time.perf_counter())
         deltas = self.generator.generate(plan, record, admission)
+        headers = {ACCEPTANCE_HEADER: plan.control.acceptance.describe()}
         if stream:
             return EventSourceResponse(
                 sse(fmt.chunks(deltas, record)),
                 sep="\n",
+                headers=headers,
                 background=BackgroundTask(admission.arelease),
             )
         try:
-            return await until_disconnected(request, fmt.collect(deltas, record))
+            body = await until_disconnected(request, fmt.collect(deltas, record))
+            return JSONResponse(body, headers=headers)
         finally:
             admission.release()
 

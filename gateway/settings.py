@@ -54,6 +54,11 @@ class GatewayOptions(BaseSettings):
         description="a target forward's fixed cost in tokens fed (about 30 for a small model "
         "on CPU, hundreds on a GPU): how much a tree node costs next to a whole round",
     )
+    allow_lossy: bool = Field(
+        False,
+        description="serve requests that opt into a lossy acceptance rule (speculation."
+        "acceptance threshold or typical); off: such a request gets a 400",
+    )
     overlap_draft: bool = Field(
         False, description="draft the next round's tree while the target verifies this one"
     )

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from gateway.routes import ops
+from gateway.service import CUT_GRACE_S
 from gateway.settings import GatewaySettings
 from tests.deploy.conftest import REPO, exported_metric_names, tool
 from workers.rpc.security import FILES
@@ -213,7 +214,7 @@ def test_termination_grace_covers_the_drain(overlay, monkeypatch):
             for key, value in environment(docs, c).items():
                 m.setenv(key, value)
             if component == "gateway":
-                drain = GatewaySettings().drain_timeout_s
+                drain = GatewaySettings().drain_timeout_s + CUT_GRACE_S
             else:
                 settings = WorkerSettings(role=component)
                 drain = settings.drain_s + settings.grace_s

@@ -109,7 +109,7 @@ class LiveGateway:
         self.port = free_port()
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=asyncio.run, args=(self.serve(),), daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -118,6 +118,10 @@ class LiveGateway:
             time.sleep(0.02)
         return self
 
+    async def serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self.server.serve()
+
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(10)
@@ -125,6 +129,10 @@ class LiveGateway:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def call(self, coroutine, timeout: float = 30.0):
+        """Runs a coroutine on the server's event loop (the gateway's objects live there)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
     @property
     def gateway(self):

@@ -7,6 +7,7 @@ the last ones a live gateway through the OpenAI SDK, where a slow target keeps s
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import httpx
@@ -242,3 +243,24 @@ def test_a_client_that_leaves_while_waiting_leaves_the_queue(tiny_dir):
         wait_until(lambda: gateway.gateway.router.live == 0, what="all released")
         assert stream_text(client, "three")
         assert admissions.running == 0
+
+
+def test_a_stream_still_running_when_the_drain_times_out_ends_with_a_503_event(tiny_dir):
+    t0 = slow_target(tiny_dir, "t0", 0.3)
+    with live(tiny_dir, [t0]) as gateway:
+        body = {"model": MODEL, "prompt": "one", "max_tokens": 200, "temperature": 0}
+        solo = httpx.post(gateway.url + "/v1/completions", json=body, timeout=60).json()
+        events = []
+        with httpx.stream(
+            "POST", gateway.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            events.append(json.loads(next(lines)[6:]))
+            drained = gateway.call(gateway.gateway.drain(0.2, asyncio.Event()))
+            events += [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+        assert drained is False
+        error = events[-1]["error"]
+        assert (error["code"], error["type"]) == ("shutting_down", "service_unavailable")
+        text = "".join(e["choices"][0]["text"] for e in events[:-1] if e.get("choices"))
+        assert solo["choices"][0]["text"].startswith(text)  # what came is exact, only shorter
+        assert gateway.gateway.router.live == 0

@@ -1,4 +1,4 @@
-"""Greedy verification against brute force; stochastic verification's edge cases."""
+"""Greedy verification against brute force; stochastic verification's edge cases; lossy rules."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from workers.speculation import (
     stochastic_verify,
     verify,
 )
+from workers.speculation.acceptance import AcceptanceRule
 
 
 def brute_force_greedy(tree: TokenTree, logits: torch.Tensor) -> Verdict:
@@ -134,3 +135,77 @@ def test_verify_dispatch():
     assert v.accepted[: len(v.accepted)] == [0, 1][: len(v.accepted)]
     with pytest.raises(ValueError, match="generator"):
         verify(tree, logits, SamplingParams(temperature=1.0))
+
+
+def test_exact_rule_is_plain_verification():
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        tree = random_tree(12, 5, gen)
+        logits = torch.randn(len(tree) + 1, 5, generator=gen)
+        assert verify(tree, logits, SamplingParams(), rule=AcceptanceRule()) == greedy_verify(
+            tree, logits
+        )
+
+
+def lossy(kind: str, **kw) -> AcceptanceRule:
+    return AcceptanceRule(kind, **kw)
+
+
+# after the root: p = (0.5, 0.3, 0.2); after node 0: p = (0.1, 0.1, 0.8); after node 1: uniform
+PROBS = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8], [1 / 3, 1 / 3, 1 / 3]])
+LOGITS = PROBS.log()  # (3, 3): softmax at temperature 1 gives PROBS back
+
+
+@pytest.mark.parametrize(
+    "rule, accepted",
+    [
+        (lossy("threshold", threshold=0.31), []),  # 0.3 < 0.31: token 1 is not the argmax 0
+        (lossy("threshold", threshold=0.3), [0]),  # then 0.1 < 0.3: token 0 is rejected
+        (lossy("threshold", threshold=0.1), [0, 1]),  # both at least 0.1
+        # typical: bar = min(epsilon, delta * exp(-H)); exp(-H) = 0.357 at the root, 0.528 after
+        (lossy("typical", epsilon=0.5, delta=0.9), []),  # root bar 0.321 > 0.3
+        (lossy("typical", epsilon=0.2, delta=0.5), [0]),  # bars 0.178, then 0.2 > 0.1
+        (lossy("typical", epsilon=0.09, delta=0.3), [0, 1]),  # bars 0.09 and 0.09
+    ],
+)
+def test_lossy_rules_accept_likely_tokens_greedy(rule, accepted):
+    tree = TokenTree.chain([1, 0])  # node 0 = token 1 after the root, node 1 = token 0
+    verdict = verify(tree, LOGITS, SamplingParams(), rule=rule)
+    assert verdict.accepted == accepted
+    assert verdict.bonus == int(LOGITS[accepted[-1] + 1 if accepted else 0].argmax())
+
+
+def test_typical_bar_by_hand():
+    entropy = float(-(PROBS[0] * PROBS[0].log()).sum())
+    bar = min(0.5, 0.9 * torch.exp(torch.tensor(-entropy)).item())
+    assert 0.3 < bar < 0.33  # so token 1 (p 0.3) is rejected at the root, as a case above says
+
+
+def test_lossy_always_accepts_the_argmax_and_takes_the_longest_path():
+    # two branches: node 0 (token 2, p 0.2) -> node 2; node 1 (token 0, the argmax) alone
+    tree = TokenTree(torch.tensor([2, 0, 2]), torch.tensor([-1, -1, 0]))
+    logits = torch.tensor([[5.0, 0.0, 4.0], [0.0, 0.0, 5.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    strict = verify(tree, logits, SamplingParams(), rule=lossy("threshold", threshold=0.9))
+    assert strict.accepted == [1]  # the argmax passes any threshold
+    loose = verify(tree, logits, SamplingParams(), rule=lossy("threshold", threshold=0.2))
+    assert loose.accepted == [0, 2]  # both of node 0's path are likely enough: the longer
+
+
+def test_lossy_sampling_needs_a_generator_and_draws_the_bonus_from_p():
+    tree = TokenTree.chain([1])
+    params = SamplingParams(temperature=1.0)
+    with pytest.raises(ValueError, match="generator"):
+        verify(tree, LOGITS[:2], params, rule=lossy("threshold", threshold=0.2))
+    bonuses = {
+        verify(tree, LOGITS[:2], params, make_generator(s), lossy("threshold", threshold=0.2)).bonus
+        for s in range(40)
+    }
+    assert bonuses == {0, 1, 2}  # drawn from (0.1, 0.1, 0.8), not its argmax
+
+
+def test_acceptance_rule_checks_its_values():
+    with pytest.raises(ValueError):
+        AcceptanceRule("median")
+    with pytest.raises(ValueError):
+        AcceptanceRule("threshold", threshold=0.0)
+    assert AcceptanceRule().lossless and not lossy("typical").lossless

@@ -13,6 +13,7 @@ from workers.protocol import (
     check_pair,
 )
 from workers.rpc import convert
+from workers.speculation.acceptance import EXACT, AcceptanceRule
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree, TreeError
 
@@ -51,6 +52,15 @@ def test_verify_call_round_trips():
         convert.verify_request(VerifyCall("s", 0, [1], TokenTree.empty(), SamplingParams()))
     )
     assert plain.params == SamplingParams() and plain.num_logprobs == -1
+    assert plain.acceptance == EXACT
+
+
+@pytest.mark.parametrize(
+    "rule", [AcceptanceRule("threshold", threshold=0.25), AcceptanceRule("typical", 0.1, 0.2, 0.5)]
+)
+def test_a_lossy_rule_travels_with_the_verify_call(rule):
+    call = VerifyCall("s", 0, [1], TokenTree.empty(), SamplingParams(), acceptance=rule)
+    assert convert.verify_call(convert.verify_request(call)).acceptance == rule
 
 
 def test_propose_call_round_trips():

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -222,7 +222,13 @@ class Loop:
                 break
             held = self.target.held
             call = VerifyCall(
-                self.session_id, held, self.history[held:], tree, plan.params, plan.num_logprobs
+                self.session_id,
+                held,
+                self.history[held:],
+                tree,
+                plan.params,
+                plan.num_logprobs,
+                plan.acceptance,
             )
             try:
                 work = len(call.tokens) + len(tree)
@@ -346,13 +352,22 @@ class Pair:
                     await worker.backend.end(session_id)
 
 
-async def generate(route: Route, plan: Plan, session_id: str) -> Generation:
-    """Runs the loop to the end and returns the whole generation."""
+async def generate(
+    route: Route,
+    plan: Plan,
+    session_id: str,
+    on_round: Callable[[Round, float], None] | None = None,
+) -> Generation:
+    """Runs the loop to the end and returns the whole generation; `on_round` is called with
+    each committed round and the seconds since the previous one (or the start)."""
     loop = Loop(LoopState(plan), route, session_id)
-    start = time.perf_counter()
+    start = last = time.perf_counter()
     async with contextlib.aclosing(loop.rounds()) as rounds:
-        async for _ in rounds:
-            pass
+        async for round_ in rounds:
+            if on_round is not None:
+                now = time.perf_counter()
+                on_round(round_, now - last)
+                last = now
     state = loop.state
     elapsed = time.perf_counter() - start
     return Generation(state.generated, state.finish_reason or "length", state.counters, elapsed)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from workers.draft.ngram import NgramDrafter
 from workers.engine.sessions import SessionTable
 from workers.loop.driver import Pair, generate
-from workers.loop.state import Generation, Plan
+from workers.loop.state import Generation, Plan, Round
 from workers.protocol import (
     Backend,
     InvalidCall,
@@ -43,6 +43,7 @@ from workers.protocol import (
     as_worker_error,
     check_pair,
 )
+from workers.speculation.acceptance import EXACT, AcceptanceRule
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree
 
@@ -172,25 +173,43 @@ class LocalDecoder:
         drafter: Drafter | None = None,
         spec: TreeSpec = TreeSpec(),
         stop_ids: frozenset[int] = frozenset(),
+        acceptance: AcceptanceRule = EXACT,
     ):
         self.target = InProcessTarget("local-target", target, threaded=False)
         self.draft = InProcessDraft("local-draft", drafter, threaded=False) if drafter else None
         self.spec = spec
         self.stop_ids = stop_ids
+        self.acceptance = acceptance  # lossy only when the caller asks for it
 
     async def agenerate(
-        self, prompt: list[int], max_tokens: int, params: SamplingParams, num_logprobs: int = -1
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        params: SamplingParams,
+        num_logprobs: int = -1,
+        on_round: Callable[[Round, float], None] | None = None,
     ) -> Generation:
-        plan = Plan(prompt, max_tokens, params, self.spec, self.stop_ids, num_logprobs)
+        plan = Plan(
+            prompt, max_tokens, params, self.spec, self.stop_ids, num_logprobs, self.acceptance
+        )
         route = await Pair.of(self.target, self.draft)
-        return await generate(route, plan, uuid.uuid4().hex)
+        return await generate(route, plan, uuid.uuid4().hex, on_round)
 
-    def generate(self, prompt: list[int], max_tokens: int, params: SamplingParams) -> Generation:
-        return asyncio.run(self.agenerate(prompt, max_tokens, params))
+    def generate(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        params: SamplingParams,
+        on_round: Callable[[Round, float], None] | None = None,
+    ) -> Generation:
+        return asyncio.run(self.agenerate(prompt, max_tokens, params, on_round=on_round))
 
 
 def build_local(
-    target: EngineConfig, draft_model: str = "ngram", spec: TreeSpec = TreeSpec()
+    target: EngineConfig,
+    draft_model: str = "ngram",
+    spec: TreeSpec = TreeSpec(),
+    acceptance: AcceptanceRule = EXACT,
 ) -> tuple[LocalDecoder, Engine]:
     """Loads the target (and a model draft) and joins them; returns the decoder and target.
 
@@ -211,4 +230,5 @@ def build_local(
         draft = Engine.load(replace(target, model=draft_model))
         drafter = ModelDrafter(draft, SessionTable(draft.num_slots))
         check_pair(drafter.info(), runner.info())
-    return LocalDecoder(runner, drafter, spec, stop_token_ids(engine.tokenizer)), engine
+    stop_ids = stop_token_ids(engine.tokenizer)
+    return LocalDecoder(runner, drafter, spec, stop_ids, acceptance), engine

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from workers.protocol import TokenLogprob, TreeSpec, VerifyOutcome
+from workers.speculation.acceptance import EXACT, AcceptanceRule
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree
 
@@ -26,6 +27,7 @@ class Plan:
     spec: TreeSpec = TreeSpec()  # the largest tree to propose per round
     stop_ids: frozenset[int] = frozenset()  # tokens that end the generation (eos)
     num_logprobs: int = -1  # -1: none; k >= 0: each token's logprob and top k
+    acceptance: AcceptanceRule = EXACT  # lossy rules only when the request opted in
 
     def __post_init__(self):
         if not self.prompt:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from workers.protocol.errors import IncompatibleWorkers
+from workers.speculation.acceptance import EXACT, AcceptanceRule
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree
 
@@ -53,6 +54,7 @@ class VerifyCall:
     tree: TokenTree  # the draft's proposal after those tokens (may be empty)
     params: SamplingParams
     num_logprobs: int = -1  # -1: no logprobs; n >= 0: logprob of each emitted token + top n
+    acceptance: AcceptanceRule = EXACT  # how draft tokens are accepted; only exact is lossless
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from workers.protocol import (
     VerifyOutcome,
     WorkerInfo,
 )
+from workers.speculation.acceptance import EXACT, AcceptanceRule
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree, TreeError
 
@@ -74,6 +75,23 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
     )
+
+
+def _acceptance_field(rule: AcceptanceRule) -> dict:
+    if rule.lossless:
+        return {}  # absent: exact
+    return {
+        "acceptance": pb.Acceptance(
+            rule=rule.kind, threshold=rule.threshold, epsilon=rule.epsilon, delta=rule.delta
+        )
+    }
+
+
+def _acceptance(msg: pb.VerifyRequest) -> AcceptanceRule:
+    if not msg.HasField("acceptance") or msg.acceptance.rule in ("", "exact"):
+        return EXACT
+    a = msg.acceptance
+    return AcceptanceRule(a.rule, a.threshold, a.epsilon, a.delta)
 
 
 def spec_to_proto(spec: TreeSpec) -> pb.TreePolicy:
@@ -154,6 +172,7 @@ def verify_request(call: VerifyCall) -> pb.VerifyRequest:
         tree=tree_to_proto(call.tree),
         sampling=params_to_proto(call.params),
         **_logprobs_field(call.num_logprobs),
+        **_acceptance_field(call.acceptance),
     )
 
 
@@ -165,6 +184,7 @@ def verify_call(msg: pb.VerifyRequest) -> VerifyCall:
         tree_from_proto(msg.tree),
         params_from_proto(msg.sampling),
         _num_logprobs(msg),
+        _acceptance(msg),
     )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.speculation.acceptance import EXACT, AcceptanceRule, judging_probs, likely_enough
 from workers.speculation.sampling import SamplingParams, sample, target_probs, uniform
 from workers.speculation.tree import TokenTree, children, leaf_paths, validate_tree
 
@@ -56,20 +57,49 @@ def greedy_verify(tree: TokenTree, logits: torch.Tensor) -> Verdict:
     """
     _check_logits(tree, logits)
     best = logits.argmax(dim=-1).cpu()  # (N+1,) target choice after root / after node i
+    tokens, parents = tree.tokens.cpu(), tree.parents.cpu()  # (N,), (N,)
+    accepted = _longest_path(tree, tokens == best[parents + 1])  # node token == its argmax
+    bonus_row = accepted[-1] + 1 if accepted else 0
+    return Verdict(accepted=accepted, bonus=int(best[bonus_row]))
+
+
+def _longest_path(tree: TokenTree, match: torch.Tensor) -> list[int]:
+    """The longest root-to-node path whose nodes all `match` (N,) bool; on equal length the
+    first leaf path in depth-first order."""
     paths = leaf_paths(tree.parents)
     if not paths:
-        return Verdict(accepted=[], bonus=int(best[0]))
+        return []
     width = max(len(p) for p in paths)
     padded = torch.tensor([p + [-1] * (width - len(p)) for p in paths])  # (L, D) -1 = pad
-    tokens, parents = tree.tokens.cpu(), tree.parents.cpu()  # (N,), (N,)
-    match = tokens == best[parents + 1]  # (N,) node token == argmax at its parent
     on_path = padded >= 0  # (L, D)
     path_match = match[padded.clamp(min=0)] & on_path  # (L, D)
     accepted_len = path_match.long().cumprod(dim=1).sum(dim=1)  # (L,)
     leaf = int(accepted_len.argmax())  # first longest
-    accepted = paths[leaf][: int(accepted_len[leaf])]
-    bonus_row = accepted[-1] + 1 if accepted else 0
-    return Verdict(accepted=accepted, bonus=int(best[bonus_row]))
+    return paths[leaf][: int(accepted_len[leaf])]
+
+
+def lossy_verify(
+    tree: TokenTree,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    rule: AcceptanceRule,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """A lossy rule (workers.speculation.acceptance): the longest path whose every token is
+    the target's argmax or likely enough under the rule, then the target's next token."""
+    _check_logits(tree, logits)
+    logits = logits.float().cpu()  # (N+1, V)
+    probs = judging_probs(logits, params)  # (N+1, V)
+    tokens, parents = tree.tokens.cpu(), tree.parents.cpu()  # (N,), (N,)
+    rows = parents + 1  # (N,) the row that judges node i: after its parent
+    match = (tokens == logits.argmax(dim=-1)[rows]) | likely_enough(rule, probs, tokens, rows)
+    accepted = _longest_path(tree, match)  # (N,) bool in, node indices out
+    row = accepted[-1] + 1 if accepted else 0
+    if params.greedy:
+        return Verdict(accepted=accepted, bonus=int(logits[row].argmax()))
+    if generator is None:
+        raise ValueError("sampled verification needs the request's generator")
+    return Verdict(accepted=accepted, bonus=sample(probs[row], generator))
 
 
 def _dense_q(tree: TokenTree, node: int, like: torch.Tensor) -> torch.Tensor:
@@ -171,8 +201,12 @@ def verify(
     logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    rule: AcceptanceRule = EXACT,
 ) -> Verdict:
-    """Greedy verification at temperature 0, lossless stochastic verification otherwise."""
+    """Greedy verification at temperature 0, lossless stochastic verification otherwise;
+    a lossy rule only when the call carries one."""
+    if not rule.lossless:
+        return lossy_verify(tree, logits, params, rule, generator)
     if params.greedy:
         return greedy_verify(tree, logits)
     if generator is None:

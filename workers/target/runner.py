@@ -85,7 +85,7 @@ class TargetRunner:
         # logits: (N + 1, V): row 0 after the last pending token, row i + 1 after node i
         session, call = p.session, p.call
         generator = round_generator(call.params, len(session.committed), TARGET_STREAM)
-        verdict = verify(call.tree, logits, call.params, generator)
+        verdict = verify(call.tree, logits, call.params, generator, call.acceptance)
         pending = len(session.pending)
         keep = list(range(pending)) + [pending + a for a in verdict.accepted]
         self.engine.commit(session.slot, session.cached, keep)
