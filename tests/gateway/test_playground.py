@@ -4,7 +4,9 @@ Debian's chromium (installed with apt-get when missing; the test skips when it
 cannot be) is driven by playwright through its own path. The server runs tiny
 models with a draft worker and an API key, so the page must send the key typed
 into it; the test reads the tokens, their provenance and the totals from the
-DOM, checks the text against the API's, and saves a screenshot.
+DOM, checks the text against the API's and against the same prompt run with
+speculation off beside it (`"speculation": {"method": "off"}`), and saves
+screenshots.
 """
 
 from __future__ import annotations
@@ -105,3 +107,23 @@ def test_a_run_marks_every_token_with_its_source_and_round(page, server, tmp_pat
     assert "autorun=1" in link and f"mode={mode}" in link
     page.screenshot(path=tmp_path / "playground.png", full_page=True)
     assert (tmp_path / "playground.png").stat().st_size > 10_000
+
+
+def test_speculation_off_beside_it_gives_the_same_text_from_the_target_alone(
+    page, server, tmp_path
+):
+    page.goto(f"{base_url(server)}/playground?prompt={PROMPT.replace(' ', '%20')}&compare=1")
+    page.fill("#api_key", KEY)
+    page.click("#run")
+    assert finished(page, "spec") == "done", page.text_content("#spec-error")
+    assert finished(page, "off") == "done", page.text_content("#off-error")
+    page.wait_for_selector("#speedup[data-ratio]")
+    on = page.eval_on_selector_all("#spec-output .tok", TOKENS)
+    off = page.eval_on_selector_all("#off-output .tok", TOKENS)
+    assert page.text_content("#off-output") == page.text_content("#spec-output")
+    assert {t["source"] for t in on} == {"draft", "target"}
+    assert {(t["source"], t["kind"]) for t in off} == {("target", "bonus")}
+    assert [t["round"] for t in off] == list(range(1, len(off) + 1))  # one token a forward
+    assert page.text_content("#off-acceptance") == "0.0%"
+    assert float(page.get_attribute("#speedup", "data-ratio")) > 0
+    page.screenshot(path=tmp_path / "playground-compare.png", full_page=True)
