@@ -15,11 +15,12 @@ import logging
 import time
 
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import APIError, install_error_handlers
 from gateway.metrics import ENDPOINTS, Metrics
-from gateway.routes import openapi, ops, v1
+from gateway.routes import STATIC, openapi, ops, v1
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from workers.protocol import BackendFactory
@@ -50,6 +51,7 @@ def create_app(settings: GatewaySettings, backend_factory: BackendFactory | None
     install_error_handlers(app)
     app.include_router(v1)
     app.include_router(ops)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(CountRequests, metrics=metrics)
     return app

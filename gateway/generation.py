@@ -6,6 +6,8 @@ completes (held back at incomplete characters and possible stop-string
 starts), the tokens behind it, and at the end its finish reason. Streaming
 responses format each delta as it comes; non-streaming ones collect them.
 Usage and speculation stats accumulate in a `Record` as the stream runs.
+With `provenance`, each delta also says where its tokens came from
+(gateway.provenance).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from gateway.adaptive import Acceptance, AdaptiveConfig
 from gateway.control import Control
 from gateway.metrics import Metrics
 from gateway.pool import Admission, Router, shutting_down
+from gateway.provenance import Provenance
 from gateway.speculation import LoopOptions, Speculation
 from gateway.text import Piece, TextStream
 from workers.loop import Counters, Plan
@@ -40,6 +43,7 @@ class GenerationRequest:
     stop_ids: frozenset[int]
     num_logprobs: int = -1
     affinity: str | None = None
+    provenance: bool = False  # each delta says where its tokens came from
 
     @property
     def choices(self) -> int:
@@ -72,6 +76,7 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)  # where each token's text starts
     finish_reason: str | None = None
+    provenance: dict | None = None  # the stream's `specsplit` extension, when asked for
 
 
 @dataclass
@@ -135,6 +140,7 @@ class Generator:
             request.control.method,
         )
         text = TextStream(self.tokenizer, request.stop)
+        origins = Provenance() if request.provenance else None
         last_round: float | None = None
         try:
             async with contextlib.aclosing(speculation.rounds()) as rounds:
@@ -148,13 +154,21 @@ class Generator:
                             (now - last_round) / len(round_.tokens)
                         )
                     last_round = now
+                    if origins is not None:
+                        origins.add(round_, speculation.drafter, speculation.phases)
                     piece = text.push(round_.tokens, round_.logprobs)
                     finish = "stop" if text.stopped else round_.finish_reason
                     if finish is not None:
                         piece = joined(piece, text.finish())
                     if piece or finish is not None:
                         yield Delta(
-                            index, piece.text, piece.tokens, piece.logprobs, piece.offsets, finish
+                            index,
+                            piece.text,
+                            piece.tokens,
+                            piece.logprobs,
+                            piece.offsets,
+                            finish,
+                            origins.take(piece) if origins is not None else None,
                         )
                     if finish is not None:
                         break
@@ -179,7 +193,11 @@ class Generator:
 
 def joined(a: Piece, b: Piece) -> Piece:
     return Piece(
-        a.text + b.text, a.tokens + b.tokens, a.logprobs + b.logprobs, a.offsets + b.offsets
+        a.text + b.text,
+        a.tokens + b.tokens,
+        a.logprobs + b.logprobs,
+        a.offsets + b.offsets,
+        a.spans + b.spans,
     )
 
 

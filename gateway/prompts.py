@@ -134,4 +134,5 @@ def generation_request(
         stop_ids=stop_ids,
         num_logprobs=request.num_logprobs,
         affinity=affinity,
+        provenance=bool(request.stream_options and request.stream_options.include_provenance),
     )

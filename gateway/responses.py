@@ -130,12 +130,19 @@ class Format:
                     delta.text = echo + delta.text
                 carries_logprobs = bool(delta.tokens) and self.num_logprobs >= 0
                 ends_completion = not self.chat and delta.finish_reason is not None
+                # where the tokens came from (opt-in): on the chunk with their text, else
+                # on the chat's closing chunk (tokens with no text of their own, such as eos)
+                origins = {"specsplit": delta.provenance} if delta.provenance else {}
                 if delta.text or carries_logprobs or ends_completion:
-                    yield self.chunk(choices=[self.stream_choice(delta, len(echo))], **usage)
+                    choice = self.stream_choice(delta, len(echo))
+                    yield self.chunk(choices=[choice], **usage, **origins)
+                    origins = {}
                 if delta.finish_reason is not None and self.chat:
                     closing = {"index": delta.index, "delta": {}, "logprobs": None}
                     yield self.chunk(
-                        choices=[{**closing, "finish_reason": delta.finish_reason}], **usage
+                        choices=[{**closing, "finish_reason": delta.finish_reason}],
+                        **usage,
+                        **origins,
                     )
         tail = {}
         if self.include_usage:

@@ -9,10 +9,11 @@ the schema: validation errors are answered with 400 (gateway/errors.py).
 from __future__ import annotations
 
 import hmac
+from pathlib import Path
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, FastAPI, Request, Security
-from fastapi.responses import Response
+from fastapi.responses import FileResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
@@ -20,6 +21,8 @@ from pydantic import BaseModel
 from gateway.errors import APIError, error_responses
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.service import Gateway
+
+STATIC = Path(__file__).parent / "static"  # the playground's page and script
 
 
 def gateway(request: Request) -> Gateway:
@@ -107,6 +110,12 @@ async def health(request: Request):
 async def metrics(request: Request):
     body = generate_latest(request.app.state.metrics.registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+@ops.get("/playground", include_in_schema=False)
+async def playground():
+    """The playground page; it calls /v1 with the key typed into it."""
+    return FileResponse(STATIC / "playground.html")
 
 
 def openapi(app: FastAPI) -> dict:

@@ -25,6 +25,7 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False  # one last chunk with the usage, `choices` empty
+    include_provenance: bool = False  # extension: where each token came from (`specsplit`)
 
 
 class SpeculationRequest(Strict):

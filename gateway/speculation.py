@@ -138,6 +138,7 @@ class Speculation(Loop):
         start = recent if recent is not None else Acceptance.prior(self.config)
         self.acceptance = replace(start, rounds_off=0)
         self.lookahead: Lookahead | None = None
+        self.phases = (0.0, 0.0)  # the last round's draft and verify seconds
 
     # --- adaptive trees -----------------------------------------------------------------
 
@@ -204,7 +205,16 @@ class Speculation(Loop):
 
     # --- metrics and acceptance ------------------------------------------------------------
 
+    @property
+    def drafter(self) -> str | None:
+        """What drafts the session: "ngram" (prompt lookup) or "model"; None: no draft."""
+        worker = self.draft.worker
+        if worker is None or worker.info is None:
+            return None
+        return "ngram" if worker.info.model_id == "ngram" else "model"
+
     def observe(self, tree: TokenTree, round_, draft_s: float, verify_s: float) -> None:
+        self.phases = (draft_s, verify_s)
         if self.route.drafts:
             self.metrics.round_phase.labels("draft").observe(draft_s)
         self.metrics.round_phase.labels("verify").observe(verify_s)

@@ -10,7 +10,8 @@ part of a stop string. Both are solved by holding text back:
   it could still grow into one (that suffix is held back).
 
 `TextStream` puts them together for one choice: tokens in, `Piece`s of text
-out, each with the tokens whose text it completes (for logprobs).
+out, each with the tokens whose text it completes (for logprobs) and each
+token's share of the piece's text (`spans`, for per-token provenance).
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ class Piece:
     tokens: list[int] = field(default_factory=list)  # tokens whose text this piece completes
     logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when asked for
     offsets: list[int] = field(default_factory=list)  # where each token's text starts
+    # (index of a generated token, its part of `text`): the parts join to `text`, in order
+    spans: list[tuple[int, str]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.text or self.tokens)
@@ -160,6 +163,7 @@ class TextStream:
         self.logprobs: list[TokenLogprob] = []
         self.ends: list[int] = []  # text length after each token that completed its text
         self.sent = 0  # tokens[:sent] went out
+        self.spanned = 0  # tokens[:spanned] went out in spans with all of their text
         self.stopped = False  # a stop string was found
 
     def push(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> Piece:
@@ -186,7 +190,8 @@ class TextStream:
 
     def release(self, upto: int, final: bool = False) -> Piece:
         """Text up to `upto`, with the tokens it completes (every token when final)."""
-        piece = Piece(self.text[self.released : upto])
+        begin = self.released
+        piece = Piece(self.text[begin:upto])
         self.released = max(self.released, upto)
         done = len(self.tokens) if final else sum(1 for end in self.ends if end <= upto)
         for i in range(self.sent, done):
@@ -196,4 +201,28 @@ class TextStream:
             if self.logprobs:
                 piece.logprobs.append(self.logprobs[i])
         self.sent = max(self.sent, done)
+        piece.spans = self.spans(begin, self.released, done)
         return piece
+
+    def bounds(self, i: int) -> tuple[int, int]:
+        """Token i's text, text[start:end]. A character that several tokens make (the bytes
+        of one UTF-8 character) goes with the first of them; the others have none."""
+        n = len(self.ends)
+        start = self.ends[i - 1] if 0 < i <= n else 0 if i == 0 else len(self.text)
+        end = self.ends[i] if i < n else len(self.text)  # a held token: what flush added
+        return min(start, len(self.text)), min(end, len(self.text))
+
+    def spans(self, a: int, b: int, released: int) -> list[tuple[int, str]]:
+        """Each token's part of text[a:b], in order: the tokens released (tokens[:released]) and
+        a token whose text is only partly out (a stop-string prefix is held inside it)."""
+        spans = []
+        while self.spanned < len(self.tokens):
+            i = self.spanned
+            start, end = self.bounds(i)
+            part = self.text[max(start, a) : max(min(end, b), a)]
+            if part or i < released:
+                spans.append((i, part))
+            if i >= released:
+                break
+            self.spanned += 1
+        return spans

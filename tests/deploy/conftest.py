@@ -7,15 +7,15 @@ as that module, so no idle server stays behind for the rest of the suite.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
+
+from tests.debian import debian_tool
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the venv's bin: kubectl, hadolint, locust come with it
@@ -87,26 +87,4 @@ def live_serve(tmp_path_factory):
 @pytest.fixture(scope="session")
 def prometheus_binary() -> str:
     """Prometheus from Debian's package, installed with apt-get when it is not on PATH."""
-    found = shutil.which("prometheus")
-    if found:
-        return found
-    if shutil.which("apt-get") is None:
-        pytest.skip("prometheus is not installed and there is no apt-get to install it")
-    if os.geteuid() != 0:
-        pytest.skip("prometheus is not installed; `apt-get install prometheus` needs root")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    apt = ["apt-get", "-o", "DPkg::Lock::Timeout=300", "-q"]
-    install = [*apt, "install", "-y", "--no-install-recommends", "prometheus"]
-
-    def run(command):
-        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-
-    result = run(install)
-    if result.returncode != 0:  # no package lists yet, or stale ones
-        update = run([*apt, "update"])
-        if update.returncode != 0:
-            pytest.skip(f"apt-get update failed (no network?): {update.stderr.strip()[-500:]}")
-        result = run(install)
-    found = shutil.which("prometheus")
-    assert found, f"apt-get install prometheus failed:\n{result.stdout[-2000:]}{result.stderr}"
-    return found
+    return debian_tool("prometheus")

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from tests.gateway.helpers import write_tiny_model
 
@@ -29,3 +31,15 @@ def tiny_dir(tmp_path_factory) -> Path:
 def tiny_draft_dir(tmp_path_factory) -> Path:
     """A draft model: the target with slightly perturbed weights (accepted often, not always)."""
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "draft", noise=0.01)
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE without merges: one token per UTF-8 byte, like GPT-2's base alphabet."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab["</s>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")

@@ -3,23 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from gateway.text import IncrementalDetokenizer, StopStrings, TextStream, TokenText
 from tests.gateway.helpers import word_tokenizer
-
-
-@pytest.fixture(scope="module")
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level BPE without merges: one token per UTF-8 byte, like GPT-2's base alphabet."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    vocab["</s>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
 
 
 def ids(tokenizer, text: str) -> list[int]:
@@ -152,3 +138,42 @@ def test_token_bytes_of_word_tokens():
     tokenizer = word_tokenizer()
     (token,) = ids(tokenizer, "café")
     assert TokenText(tokenizer)(token) == ("café", list("café".encode()))
+
+
+def spans_of(pieces) -> list[tuple[int, str]]:
+    for piece in pieces:  # each piece's spans join to its text
+        assert "".join(text for _, text in piece.spans) == piece.text
+    return [span for piece in pieces for span in piece.spans]
+
+
+def test_spans_give_each_token_its_text_and_a_split_character_to_its_first_byte(byte_tokenizer):
+    stream = TextStream(byte_tokenizer, [])
+    tokens = ids(byte_tokenizer, "aé!")  # a, two bytes of é, !
+    pieces = [stream.push(tokens[:2]), stream.push(tokens[2:]), stream.finish()]
+    assert [p.text for p in pieces] == ["a", "é!", ""]
+    # the first byte of é is held with the round that made it, and comes with the second
+    assert spans_of(pieces) == [(0, "a"), (1, "é"), (2, ""), (3, "!")]
+
+
+def test_spans_of_a_token_cut_by_a_held_stop_prefix_come_in_two_parts():
+    tokenizer = word_tokenizer()
+    stream = TextStream(tokenizer, ["cat x"])  # " cat" ends in a possible start of the stop
+    pieces = [stream.push(ids(tokenizer, "sat cat")), stream.push(ids(tokenizer, "dog"))]
+    pieces.append(stream.finish())
+    assert "".join(p.text for p in pieces) == "sat cat dog"
+    assert [p.text for p in pieces] == ["sat ", "cat dog", ""]
+    assert spans_of(pieces) == [(0, "sat"), (1, " "), (1, "cat"), (2, " dog")]
+
+
+def test_spans_after_a_stop_string_list_every_token_up_to_it(byte_tokenizer):
+    stream = TextStream(byte_tokenizer, ["b!"])
+    pieces = [stream.push(ids(byte_tokenizer, "ab!cd")), stream.finish()]
+    assert "".join(p.text for p in pieces) == "a"
+    assert spans_of(pieces) == [(0, "a"), (1, ""), (2, "")]
+
+
+def test_spans_of_a_tail_flushed_incomplete(byte_tokenizer):
+    stream = TextStream(byte_tokenizer, [])
+    tokens = ids(byte_tokenizer, "a日")[:3]  # a and two of the three bytes of 日
+    pieces = [stream.push(tokens), stream.finish()]
+    assert spans_of(pieces) == [(0, "a"), (1, "\ufffd"), (2, "")]

@@ -79,6 +79,9 @@ class Round:
     accepted: int = 0  # of them, accepted (the bonus token comes on top)
     degraded: bool = False  # no draft answered: the target decoded alone
     prefix_hit: int = 0  # cached prompt tokens the target reused this round
+    # the last token is the target's correction of a draft guess (the draft proposed a
+    # child of the last accepted node, and the target chose otherwise), not a bonus token
+    corrected: bool = False
 
 
 @dataclass
@@ -131,6 +134,7 @@ class LoopState:
         c.degraded_rounds += degraded
         c.prefix_hit_tokens += outcome.prefix_hit
         logprobs = outcome.logprobs[: len(tokens)] if outcome.logprobs is not None else None
+        last = outcome.accepted[-1] if outcome.accepted else -1  # -1: the root
         return Round(
             tokens,
             logprobs,
@@ -139,6 +143,7 @@ class LoopState:
             len(outcome.accepted),
             degraded,
             outcome.prefix_hit,
+            corrected=bool((tree.parents == last).any()) if len(tree) else False,
         )
 
 
