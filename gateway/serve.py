@@ -9,7 +9,7 @@ gateway in this process; prints `SpecSplit ready: http://HOST:PORT/v1` once
 every worker is serving. Ctrl-C or SIGTERM drains the gateway first (/health
 and new requests get 503 while the requests in flight finish, up to
 `--drain-timeout-s`), then stops the workers and exits 0; a second signal
-stops at once. Children also die with this process (PR_SET_PDEATHSIG) if it
+stops at once. Children also die with this process (PR_SET_PDEATHSIG, --parent-pid) if it
 is killed.
 
 `--draft-model ngram` (the default) runs the prompt-lookup draft inside the
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -60,8 +59,6 @@ from workers.settings import EngineOptions, parse, settings_config, to_argv
 from workers.worker import WorkerSettings
 
 log = logging.getLogger("specsplit.serve")
-
-PR_SET_PDEATHSIG = 1
 
 
 class ServeSettings(GatewayOptions, EngineOptions):
@@ -117,12 +114,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when this process dies."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 # the settings fields that name each file `issue` writes, on each side of the channel
 WORKER_FILES = dict(
     tls_cert="server.crt", tls_key="server.key", tls_client_ca="ca.crt", token_file="token"
@@ -148,13 +139,15 @@ def start_worker(
     worker = WorkerSettings(
         role=role, host="127.0.0.1", port=port, model=model, metrics_port=0, health_port=0,
         max_sessions=s.worker_max_sessions, drain_s=0.0,  # the gateway stops first
+        parent_pid=os.getpid(),
         **engine, **channel(tls, WORKER_FILES),
     )  # fmt: skip
     command = [sys.executable, "-m", "workers.tools.cli", "worker", *to_argv(worker, ("role",))]
-    preexec = die_with_parent if sys.platform.startswith("linux") else None
-    # a session of its own: a terminal's Ctrl-C reaches serve alone, which drains the
-    # gateway before it stops the workers
-    process = subprocess.Popen(command, preexec_fn=preexec, start_new_session=True)  # noqa: PLW1509
+    # a session of its own: a terminal's Ctrl-C reaches serve alone, which drains the gateway
+    # before it stops the workers. No preexec_fn: Python between fork and exec is unsafe in a
+    # process with gRPC threads (a restart was seen to abort there, SIGABRT), so the worker
+    # sets its own PR_SET_PDEATHSIG (--parent-pid)
+    process = subprocess.Popen(command, start_new_session=True)
     log.info("started %s worker pid %d on 127.0.0.1:%d", role, process.pid, port)
     return Child(role, f"127.0.0.1:{port}", process)
 
