@@ -108,6 +108,13 @@ async def test_info_and_metric_names():
         assert metrics["specsplit_worker_live_sessions"] == [({"role": "target"}, 1.0)]
         (tokens,) = [v for _, v in metrics["specsplit_worker_tokens_per_forward_sum"]]
         assert tokens == 3  # the prompt, fed once
+        codes = {
+            (labels["method"], labels["code"]): v
+            for labels, v in metrics["specsplit_worker_requests_total"]
+        }  # every method and known code from the start, so rate() sees the first error
+        assert codes[("Verify", "OK")] == 1
+        assert codes[("Verify", "NOT_FOUND")] == codes[("Verify", "UNAVAILABLE")] == 0
+        assert metrics["specsplit_worker_evictions_total"] == [({"role": "target"}, 0.0)]
 
 
 def test_a_worker_dies_with_its_parent():
