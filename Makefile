@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 ARGS ?=
 
-.PHONY: install run test lint proto bench loadtest clean
+.PHONY: install run test chaos lint proto bench loadtest clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,7 +29,12 @@ run: $(STAMP)
 # One pytest process per core (pytest-xdist), each with one torch thread: the
 # tests' models are tiny, and two processes of two threads on two cores fight.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal -m "not slow" $(ARGS)
+
+# The slow chaos cases (a soak of a few hundred requests against a real serve; minutes),
+# which `make test` leaves out; they print their figures.
+chaos: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -s -n 0 -m slow tests/chaos $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

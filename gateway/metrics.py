@@ -182,6 +182,12 @@ class Metrics:
             ["role"],
             registry=r,
         )
+        self.worker_restarts = Counter(
+            "specsplit_worker_restarts",
+            "Worker processes `specsplit serve` started again after they exited",
+            ["role"],
+            registry=r,
+        )
 
         self.start_at_zero()
 
@@ -201,6 +207,7 @@ class Metrics:
             self.history_resends.labels(role)
             self.failovers.labels(role)
             self.hung_calls.labels(role)
+            self.worker_restarts.labels(role)
 
     def observe_round(self, drafted: int, accepted: int, degraded: bool, prefix_hit: int) -> None:
         self.draft_tokens.inc(drafted)

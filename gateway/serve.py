@@ -9,7 +9,7 @@ gateway in this process; prints `SpecSplit ready: http://HOST:PORT/v1` once
 every worker is serving. Ctrl-C or SIGTERM drains the gateway first (/health
 and new requests get 503 while the requests in flight finish, up to
 `--drain-timeout-s`), then stops the workers and exits 0; a second signal
-stops at once. Children also die with this process (PR_SET_PDEATHSIG) if it
+stops at once. Children also die with this process (PR_SET_PDEATHSIG, --parent-pid) if it
 is killed.
 
 `--draft-model ngram` (the default) runs the prompt-lookup draft inside the
@@ -21,15 +21,22 @@ The gateway and its workers talk mutual TLS with a token: a fresh CA,
 certificates and token are written to a private temporary directory at every
 start and removed at exit (`--insecure` for plaintext).
 
+A worker process that exits is started again on its address with the same
+credentials, after a backoff (`--restart-backoff-s` 1 s, doubling at each
+exit in a row up to `--restart-backoff-max-s` 30 s; a worker up
+`--restart-stable-s` 60 s starts over at 1 s), and rejoins its pool at its
+next health check (gateway/supervise.py). Supervision stops when the drain
+starts.
+
 `--state-file PATH` writes the gateway URL, each worker's role, address
-and pid, and the credentials' directory as JSON once ready (for tests and tooling; off by default).
+and pid, and the credentials' directory as JSON once ready and after every
+restart (for tests and tooling; off by default).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -38,7 +45,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
@@ -47,13 +53,12 @@ from pydantic import Field
 from gateway.app import create_app
 from gateway.main import Server, configure_logging, drain_and_stop, stop_on_signals
 from gateway.settings import GatewayOptions, GatewaySettings
+from gateway.supervise import Backoff, Child, Supervisor
 from workers.rpc.security import issue
 from workers.settings import EngineOptions, parse, settings_config, to_argv
 from workers.worker import WorkerSettings
 
 log = logging.getLogger("specsplit.serve")
-
-PR_SET_PDEATHSIG = 1
 
 
 class ServeSettings(GatewayOptions, EngineOptions):
@@ -71,6 +76,18 @@ class ServeSettings(GatewayOptions, EngineOptions):
         None, description="write the gateway URL and workers' addresses and pids here (JSON)"
     )
     startup_timeout_s: float = Field(600.0, gt=0, description="most seconds to wait for workers")
+    restart_backoff_s: float = Field(
+        1.0,
+        gt=0,
+        description="wait before restarting a worker that exited; doubles at each exit in a row",
+    )
+    restart_backoff_max_s: float = Field(30.0, gt=0, description="longest wait before a restart")
+    restart_stable_s: float = Field(
+        60.0,
+        gt=0,
+        description="a worker up this long counts as recovered: its next exit "
+        "waits --restart-backoff-s again",
+    )
     insecure: bool = Field(
         False,
         description="plaintext between gateway and workers; default mutual TLS and a token, "
@@ -81,16 +98,12 @@ class ServeSettings(GatewayOptions, EngineOptions):
     def draft_workers(self) -> int:
         return 0 if self.draft_model in ("ngram", "none") else self.drafts
 
+    @property
+    def backoff(self) -> Backoff:
+        return Backoff(self.restart_backoff_s, self.restart_backoff_max_s, self.restart_stable_s)
 
-@dataclass
-class Child:
-    role: str
-    address: str
-    pid: int
-    process: subprocess.Popen
-
-    def summary(self) -> dict:
-        return {"role": self.role, "address": self.address, "pid": self.pid}
+    def model_of(self, role: str) -> str:
+        return self.target_model if role == "target" else self.draft_model
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -99,12 +112,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when this process dies."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 # the settings fields that name each file `issue` writes, on each side of the channel
@@ -123,21 +130,26 @@ def channel(tls: Path | None, files: dict[str, str]) -> dict:
     return {field: tls / name for field, name in files.items()}
 
 
-def start_worker(role: str, model: str, s: ServeSettings, tls: Path | None) -> Child:
-    port = free_port()
+def start_worker(
+    role: str, model: str, s: ServeSettings, tls: Path | None, port: int | None = None
+) -> Child:
+    """A worker process on `port` (a free one when None)."""
+    port = port or free_port()
     engine = {name: getattr(s, name) for name in EngineOptions.model_fields}
     worker = WorkerSettings(
         role=role, host="127.0.0.1", port=port, model=model, metrics_port=0, health_port=0,
         max_sessions=s.worker_max_sessions, drain_s=0.0,  # the gateway stops first
+        parent_pid=os.getpid(),
         **engine, **channel(tls, WORKER_FILES),
     )  # fmt: skip
     command = [sys.executable, "-m", "workers.tools.cli", "worker", *to_argv(worker, ("role",))]
-    preexec = die_with_parent if sys.platform.startswith("linux") else None
-    # a session of its own: a terminal's Ctrl-C reaches serve alone, which drains the
-    # gateway before it stops the workers
-    process = subprocess.Popen(command, preexec_fn=preexec, start_new_session=True)  # noqa: PLW1509
+    # a session of its own: a terminal's Ctrl-C reaches serve alone, which drains the gateway
+    # before it stops the workers. No preexec_fn: Python between fork and exec is unsafe in a
+    # process with gRPC threads (a restart was seen to abort there, SIGABRT), so the worker
+    # sets its own PR_SET_PDEATHSIG (--parent-pid)
+    process = subprocess.Popen(command, start_new_session=True)
     log.info("started %s worker pid %d on 127.0.0.1:%d", role, process.pid, port)
-    return Child(role, f"127.0.0.1:{port}", process.pid, process)
+    return Child(role, f"127.0.0.1:{port}", process)
 
 
 def stop_workers(children: list[Child], grace_s: float = 15.0) -> None:
@@ -170,6 +182,15 @@ def gateway_settings(
     )
 
 
+def save_state(path: Path, url: str, children: list[Child], tls: Path | None) -> None:
+    """The --state-file, replaced whole (a reader never sees half of it)."""
+    workers = [c.summary() for c in children]
+    state = {"url": url, "pid": os.getpid(), "workers": workers, "tls": str(tls or "")}
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(state, indent=2))
+    partial.replace(path)
+
+
 async def wait_ready(app, server: Server, children: list[Child], stop: asyncio.Event, timeout_s):
     """True once every worker serves; False on a stop signal; raises when a worker exits."""
     deadline = time.monotonic() + timeout_s
@@ -200,8 +221,8 @@ async def serve(s: ServeSettings) -> int:
         tls = Path(credentials.enter_context(tempfile.TemporaryDirectory(prefix="specsplit-")))
         issue(tls, ["127.0.0.1", "localhost"])
     try:
-        children += [start_worker("target", s.target_model, s, tls) for _ in range(s.targets)]
-        children += [start_worker("draft", s.draft_model, s, tls) for _ in range(s.draft_workers)]
+        for role, n in (("target", s.targets), ("draft", s.draft_workers)):
+            children += [start_worker(role, s.model_of(role), s, tls) for _ in range(n)]
         port = s.port or free_port(s.host)
         app = create_app(gateway_settings(s, children, port, tls))
         config = uvicorn.Config(
@@ -216,16 +237,27 @@ async def serve(s: ServeSettings) -> int:
             server.should_exit = True
             await serving
             return 1
-        if ready:
-            url = f"http://{s.host}:{port}/v1"
+        url = f"http://{s.host}:{port}/v1"
+
+        def write_state() -> None:
             if s.state_file is not None:
-                workers = [c.summary() for c in children]
-                state = {"url": url, "pid": os.getpid(), "workers": workers, "tls": str(tls or "")}
-                s.state_file.write_text(json.dumps(state, indent=2))
+                save_state(s.state_file, url, children, tls)
+
+        def restart(child: Child) -> Child:
+            port = int(child.address.rsplit(":", 1)[1])
+            return start_worker(child.role, s.model_of(child.role), s, tls, port)
+
+        supervisor = Supervisor(
+            children, restart, s.backoff, app.state.metrics.worker_restarts, write_state
+        )
+        if ready:
+            write_state()
             print(f"SpecSplit ready: {url}", flush=True)
+            supervisor.start()
         await asyncio.wait(
             [serving, asyncio.create_task(stop.wait())], return_when="FIRST_COMPLETED"
         )
+        await supervisor.stop()  # the drain must not restart the workers it stops
         await drain_and_stop(app, server, serving, s.drain_timeout_s, cut)  # then the workers
         return 0
     finally:

@@ -17,7 +17,9 @@ seconds to finish, and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specsplit.worker")
 
+PR_SET_PDEATHSIG = 1
 DEFAULT_PORTS = {"target": 50051, "draft": 50052}
 DEFAULT_MODELS = {"target": EMBEDDED_MODEL, "draft": "ngram"}
 
@@ -89,6 +92,9 @@ class WorkerSettings(EngineOptions):
     )
     insecure: bool = Field(
         False, description="plaintext gRPC, no token; else --tls-cert and --tls-key are needed"
+    )
+    parent_pid: int | None = Field(
+        None, description="stop (SIGTERM) when this process ends; Linux (serve sets it)"
     )
 
     @property
@@ -173,9 +179,21 @@ async def run(settings: WorkerSettings) -> None:
     log.info("stopped")
 
 
+def die_with(parent_pid: int) -> None:
+    """SIGTERM this process when its parent, `parent_pid`, ends (PR_SET_PDEATHSIG), or now if it
+    has already. Set here rather than by the parent between fork and exec, where no Python may
+    run safely in a parent that has gRPC threads (serve restarting a worker)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str]) -> None:
     settings = parse(WorkerSettings, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if settings.parent_pid is not None:
+        die_with(settings.parent_pid)
     try:
         asyncio.run(run(settings))
     except (ValueError, RuntimeError, OSError) as error:  # bad model, port in use, ...

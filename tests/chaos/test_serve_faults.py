@@ -3,6 +3,9 @@ draft) while a client streams; the streamed text always equals the fault-free ru
 
 - SIGSTOP of the serving target (a hang: a GC pause, a stuck driver): the round fails over
   once the call passes its hang bound (gateway/hangs.py), long before the 60 s call deadline.
+- SIGKILL of the serving target: the round fails over at once; serve starts the worker again
+  on its address (gateway/supervise.py), the gateway's pool sees it serving at its next health
+  check, and it takes requests again.
 - SIGTERM to serve: the stream finishes whole, readiness and new requests get 503 with
   Retry-After while it does, and serve exits 0 once drained. It ends the shared server, so
   it runs last.
@@ -18,7 +21,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.gateway.helpers import wait_until
+from tests.gateway.helpers import sample, wait_until
 from tests.gateway.test_serve import MODEL, STORY, Serve, alive, live_sessions, stream_text
 
 KW = dict(messages=STORY, max_tokens=48, temperature=0)
@@ -80,6 +83,50 @@ def test_a_hung_target_fails_over_within_seconds(serve, client, clean):
     wait_until(lambda: health(serve).json()["targets"]["serving"] == 2, 30, "the target back")
 
 
+def targets_of(serve: Serve) -> dict[str, int]:
+    """address -> pid of each target worker, as serve last wrote them."""
+    return {w["address"]: w["pid"] for w in serve.state["workers"] if w["role"] == "target"}
+
+
+@pytest.mark.embedded
+def test_a_killed_target_is_restarted_and_serves_again(serve, client, clean):
+    before = targets_of(serve)
+    killed: list[str] = []
+
+    def kill_busy_target(i: int) -> None:
+        if i == 4 and not killed:
+            busy = next(a for a in before if live_sessions(serve, a) > 0)
+            os.kill(before[busy], signal.SIGKILL)
+            killed.append(busy)
+
+    assert stream_text(client, on_chunk=kill_busy_target, **KW) == clean[0]
+    assert killed
+    address = killed[0]
+    wait_until(
+        lambda: (
+            targets_of(serve)[address] != before[address]
+            and health(serve).json()["targets"]["serving"] == 2
+        ),
+        120,
+        "the killed target restarted and serving",
+    )
+    assert alive(targets_of(serve)[address])
+    metrics = httpx.get(serve.state["url"].removesuffix("/v1") + "/metrics").text
+    assert sample(metrics, 'specsplit_worker_restarts_total{role="target"}') == 1
+    assert sample(metrics, f'specsplit_worker_up{{address="{address}",role="target"}}') == 1
+    assert any(f"on {address} exited with -9" in line for line in serve.lines)
+    # two streams at once: the least loaded pick puts one on each target, the restarted one too
+    streams = [client.chat.completions.create(model=MODEL, stream=True, **KW) for _ in range(2)]
+    chunks = [iter(stream) for stream in streams]
+    firsts = [next(c) for c in chunks]
+    assert live_sessions(serve, address) == 1  # over the same mTLS credentials as before
+    texts = [
+        "".join(c.choices[0].delta.content or "" for c in [first, *rest] if c.choices)
+        for first, rest in zip(firsts, chunks, strict=True)
+    ]
+    assert texts == [clean[0], clean[0]]
+
+
 @pytest.mark.embedded
 def test_sigterm_drains_every_stream_before_exiting(serve, client, clean):
     url = serve.state["url"]
@@ -88,6 +135,7 @@ def test_sigterm_drains_every_stream_before_exiting(serve, client, clean):
     def terminate_mid_stream(i: int) -> None:
         if i != 3 or during:
             return
+        during["lines"] = len(serve.lines)
         serve.process.send_signal(signal.SIGTERM)
         wait_until(lambda: health(serve).status_code == 503, 10, "readiness 503")
         during["health"] = health(serve)
@@ -106,3 +154,4 @@ def test_sigterm_drains_every_stream_before_exiting(serve, client, clean):
     assert code == 0
     for worker in serve.state["workers"]:  # stopped only after the gateway drained
         wait_until(lambda pid=worker["pid"]: not alive(pid), 30, "the workers to exit")
+    assert not [line for line in serve.lines[during["lines"] :] if "restart in" in line]

@@ -172,3 +172,11 @@ def wait_until(condition, timeout: float = 10.0, what: str = "condition") -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def sample(text: str, series: str) -> float | None:
+    """The value of one series in a /metrics text; None when it is absent."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None

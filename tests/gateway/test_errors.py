@@ -9,7 +9,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.gateway.helpers import MODEL, live, target
+from tests.gateway.helpers import MODEL, live, sample, target
 
 CHAT = [{"role": "user", "content": "hello"}]
 
@@ -168,14 +168,6 @@ def test_unknown_route_and_method_keep_the_shape(server):
     error_of(response)
 
 
-def sample(text: str, series: str) -> float | None:
-    """The value of one series in a /metrics text; None when it is absent."""
-    for line in text.splitlines():
-        if line.startswith(series + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
 def test_errors_are_counted(server):
     text = httpx.get(server.url + "/metrics").text
     assert sample(text, 'specsplit_requests_total{endpoint="chat",status="400"}') >= 1
@@ -189,6 +181,8 @@ def test_labelled_counters_start_at_zero(tiny_dir):
     for role in ("draft", "target"):
         assert sample(text, f'specsplit_failovers_total{{role="{role}"}}') == 0
         assert sample(text, f'specsplit_history_resends_total{{role="{role}"}}') == 0
+        assert sample(text, f'specsplit_hung_calls_total{{role="{role}"}}') == 0
+        assert sample(text, f'specsplit_worker_restarts_total{{role="{role}"}}') == 0
     for status in ("400", "429", "500", "503"):
         assert sample(text, f'specsplit_requests_total{{endpoint="chat",status="{status}"}}') == 0
     assert sample(text, 'specsplit_round_phase_seconds_count{phase="draft"}') == 0

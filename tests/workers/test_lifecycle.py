@@ -4,6 +4,7 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.engine.tiny import tiny_engine
+from tests.gateway.helpers import wait_until
+from tests.gateway.test_serve import alive
 from tests.workers.helpers import scrape, target_worker
 from workers.protocol import ProposeCall, TreeSpec, VerifyCall
 from workers.rpc.client import GrpcBackend
@@ -105,3 +108,28 @@ async def test_info_and_metric_names():
         assert metrics["specsplit_worker_live_sessions"] == [({"role": "target"}, 1.0)]
         (tokens,) = [v for _, v in metrics["specsplit_worker_tokens_per_forward_sum"]]
         assert tokens == 3  # the prompt, fed once
+        codes = {
+            (labels["method"], labels["code"]): v
+            for labels, v in metrics["specsplit_worker_requests_total"]
+        }  # every method and known code from the start, so rate() sees the first error
+        assert codes[("Verify", "OK")] == 1
+        assert codes[("Verify", "NOT_FOUND")] == codes[("Verify", "UNAVAILABLE")] == 0
+        assert metrics["specsplit_worker_evictions_total"] == [({"role": "target"}, 0.0)]
+
+
+def test_a_worker_dies_with_its_parent():
+    """--parent-pid (what `specsplit serve` passes its workers): the worker gets SIGTERM when
+    its parent is SIGKILLed, and at once when its parent has already gone."""
+    child = "import os, time; from workers.worker import die_with; die_with({}); time.sleep(60)"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import os, subprocess, sys; "
+         f"p = subprocess.Popen([sys.executable, '-c', {child!r}.format(os.getpid())]); "
+         "print(p.pid, flush=True); p.wait()"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    worker = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    wait_until(lambda: not alive(worker), 30, "the worker to end with its parent")
+    orphan = subprocess.run([sys.executable, "-c", child.format(parent.pid)], cwd=ROOT, timeout=60)
+    assert orphan.returncode == -signal.SIGTERM
