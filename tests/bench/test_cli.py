@@ -16,7 +16,8 @@ def test_bench_help_lists_every_kind(capsys):
     out = capsys.readouterr().out
     assert "usage: specsplit bench [KIND]" in out and "(default: serve)" in out
     listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
-    assert listed == ["serve", "engine", "ceiling", "workers", "draft", "admission"] == list(KINDS)
+    kinds = ["serve", "engine", "ceiling", "workers", "draft", "admission", "lossy"]
+    assert listed == kinds == list(KINDS)
 
 
 def test_unknown_kind_exits_with_the_kinds():
@@ -42,3 +43,16 @@ def test_help_imports_no_command_module():
         "assert 'torch' not in sys.modules and 'workers.tools.bench.suite' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_bench_lossy_agreement():
+    from workers.tools.bench.lossy import Row
+    from workers.tools.bench.measure import Timed
+
+    def row(*texts: str) -> Row:
+        return Row([Timed(0.0, end=1.0, tokens=4, text=t, stats={}) for t in texts])
+
+    exact = row("the cat sat", "a dog")
+    same, kept = row("the cat ran", "a dog").agreement(exact)
+    assert same == 0.5 and kept == (8 / 11 + 1) / 2
+    assert exact.tokens_per_s == 4.0 and exact.tau == 0.0
