@@ -93,6 +93,8 @@ class WorkerInfo:
     live_sessions: int = 0  # sessions held now
     eos_token_ids: tuple[int, ...] = ()  # tokens that end a generation
     max_tree_nodes: int = 0  # most draft nodes per tree; 0 = no limit stated
+    kv_tokens: int = 0  # KV cache positions shared by all sessions (paged); 0 = no cache
+    kv_tokens_used: int = 0  # of those, positions held by sessions now
 
     def pairs_with(self, fingerprint: str) -> bool:
         """Whether this worker's token ids mean the same as a tokenizer's with `fingerprint`."""

@@ -42,6 +42,7 @@ class TargetRunner:
     def __init__(self, engine: Engine, table: SessionTable, max_tree_nodes: int | None = None):
         self.engine = engine
         self.table = table
+        table.attach(engine.cache)
         self.max_tree_nodes = min(max_tree_nodes or engine.max_tree_nodes, engine.max_tree_nodes)
 
     def prepare(self, call: VerifyCall, busy: set[str]) -> Prepared:
@@ -59,6 +60,7 @@ class TargetRunner:
             session.cached -= 1
         tokens, parents = region(session.pending, call.tree)
         row = SlotInput(session.slot, session.cached, parents, tokens, len(call.tree) + 1)
+        self.table.reserve(session, session.cached + len(parents), busy)
         return Prepared(call, session, row, synced.prefix_hit)
 
     def verify(self, calls: list[VerifyCall]) -> list[VerifyOutcome | Exception]:
