@@ -55,6 +55,15 @@ class VerifyCall:
     num_logprobs: int = -1  # -1: no logprobs; n >= 0: logprob of each emitted token + top n
 
 
+class Unfinished:
+    """A runner's answer to a call that needs another step: a long prompt is prefilled in
+    chunks, one per step, between the other sessions' rounds. The caller runs the same
+    call object again (the batcher re-queues it)."""
+
+
+UNFINISHED = Unfinished()
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     token: int

@@ -17,7 +17,10 @@ queued during a step would run alone right after it, the step's sessions
 would queue during that lone step, and the two groups would alternate,
 half-size batches for ever. With it they merge again. A session appears at
 most once per batch; a second call of the same session goes in the next
-one, as does a call that did not fit, without waiting again.
+one, as does a call that did not fit, without waiting again. A call the step
+answers `UNFINISHED` (a long prompt prefilled in chunks) goes back to the head
+of the queue and joins the next batch with the calls of the other sessions,
+waiting for them as a new call would.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from workers.protocol import Timings
+from workers.protocol import UNFINISHED, Timings
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +213,15 @@ class Batcher(Generic[C, R]):
         forward_ns = self._last_end_ns - start
         self.batches += 1
         self.largest = max(self.largest, len(batch))
+        again = [q for q, result in zip(batch, results, strict=True) if result is UNFINISHED]
+        for q in reversed(again):
+            q.passed_over = False  # it waits for the others' next calls, as a new call would
+            self._queue.appendleft(q)
+            self._queued_cost += q.cost
+        if again:
+            self._ready.set()
         for q, result in zip(batch, results, strict=True):
-            if q.future.done():
+            if q.future.done() or result is UNFINISHED:
                 continue
             if isinstance(result, Exception):
                 q.future.set_exception(result)
