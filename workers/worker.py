@@ -60,7 +60,7 @@ class WorkerSettings(EngineOptions):
         "sessions of 1,024 tokens and a 64-node tree); memory is taken as sessions write",
     )
     prefill_chunk: int = Field(
-        256,
+        128,
         ge=0,
         description="a target prefills a long prompt this many tokens per batch, between the "
         "other sessions' rounds; 0 = the whole prompt in one batch",

@@ -11,6 +11,7 @@ ceiling.py   `ceiling`: n-gram trees vs chains, by replay
 workers.py   `workers`: a target and an n-gram draft worker over gRPC
 draft.py     `draft`: the figures of a distilled draft (bench/DRAFT.md)
 admission.py `admission`: more streams at once than `specsplit serve` holds (the queue)
+prefill.py   `prefill`: running streams' inter-token latency while a long prompt arrives
 machine.py   the machine every kind reports, described once
 """
 
@@ -39,6 +40,10 @@ KINDS: Table = {
     "admission": (
         "workers.tools.bench.admission",
         "N streams at once against `specsplit serve`'s defaults: errors, texts, queue time",
+    ),
+    "prefill": (
+        "workers.tools.bench.prefill",
+        "running streams' inter-token latency while a long prompt arrives (chunked prefill)",
     ),
 }
 
