@@ -71,7 +71,17 @@ class ServeSettings(GatewayOptions, EngineOptions):
     )
     targets: int = Field(1, ge=1, description="target worker processes")
     drafts: int = Field(1, ge=1, description="draft worker processes (with a draft model)")
-    worker_max_sessions: int = Field(8, ge=1, description="sessions each worker holds at once")
+    worker_max_sessions: int = Field(64, ge=1, description="sessions each worker holds at once")
+    worker_kv_tokens: int = Field(
+        WorkerSettings.model_fields["kv_tokens"].default,
+        ge=1,
+        description="KV cache positions each worker shares among its sessions (paged)",
+    )
+    worker_prefill_chunk: int = Field(
+        WorkerSettings.model_fields["prefill_chunk"].default,
+        ge=0,
+        description="tokens of a long prompt a target prefills per batch; 0 = all at once",
+    )
     state_file: Path | None = Field(
         None, description="write the gateway URL and workers' addresses and pids here (JSON)"
     )
@@ -138,7 +148,8 @@ def start_worker(
     engine = {name: getattr(s, name) for name in EngineOptions.model_fields}
     worker = WorkerSettings(
         role=role, host="127.0.0.1", port=port, model=model, metrics_port=0, health_port=0,
-        max_sessions=s.worker_max_sessions, drain_s=0.0,  # the gateway stops first
+        max_sessions=s.worker_max_sessions, kv_tokens=s.worker_kv_tokens,
+        prefill_chunk=s.worker_prefill_chunk, drain_s=0.0,  # the gateway stops first
         parent_pid=os.getpid(),
         **engine, **channel(tls, WORKER_FILES),
     )  # fmt: skip

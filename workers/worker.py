@@ -55,7 +55,19 @@ class WorkerSettings(EngineOptions):
         description="alias, directory, .gguf or HF id; the draft also takes 'ngram' (no model); "
         "default smollm2-135m-instruct (target), ngram (draft)",
     )
-    max_sessions: int = Field(8, ge=1, description="sessions held at once (KV slots)")
+    max_sessions: int = Field(64, ge=1, description="sessions held at once")
+    kv_tokens: int = Field(
+        69632,
+        ge=1,
+        description="KV cache positions shared by all sessions, in blocks of 16 (default: 64 "
+        "sessions of 1,024 tokens and a 64-node tree); memory is taken as sessions write",
+    )
+    prefill_chunk: int = Field(
+        128,
+        ge=0,
+        description="a target prefills a long prompt this many tokens per batch, between the "
+        "other sessions' rounds; 0 = the whole prompt in one batch",
+    )
     idle_timeout_s: float = Field(600.0, gt=0, description="end sessions idle this long")
     metrics_port: int | None = Field(
         None, ge=0, description="Prometheus /metrics port; default gRPC port + 1000"
@@ -139,6 +151,7 @@ class WorkerSettings(EngineOptions):
             dtype=self.dtype,
             max_sessions=self.max_sessions,
             max_seq_len=self.max_seq_len,
+            kv_tokens=self.kv_tokens,
             max_tree_nodes=self.max_tree_nodes,
             cache_dir=self.model_cache,
         )

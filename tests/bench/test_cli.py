@@ -16,7 +16,7 @@ def test_bench_help_lists_every_kind(capsys):
     out = capsys.readouterr().out
     assert "usage: specsplit bench [KIND]" in out and "(default: serve)" in out
     listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
-    kinds = ["serve", "engine", "ceiling", "workers", "draft", "admission", "lossy"]
+    kinds = ["serve", "engine", "ceiling", "workers", "draft", "admission", "lossy", "prefill"]
     assert listed == kinds == list(KINDS)
 
 

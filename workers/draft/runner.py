@@ -60,6 +60,7 @@ class ModelDrafter:
     def __init__(self, engine: Engine, table: SessionTable):
         self.engine = engine
         self.table = table
+        table.attach(engine.cache)
 
     def start(self, call: ProposeCall, busy: set[str]) -> Expansion | None:
         """Syncs the session; returns its expansion, or None when no tree is wanted."""
@@ -73,6 +74,9 @@ class ModelDrafter:
         depth = min(spec.depth, self.engine.context_length - len(session.committed) - 1)
         if depth <= 0 or spec.budget == 0:
             return None
+        # the region grows by the pending tokens, then at most `branching` nodes a level
+        room = len(session.committed) + depth * spec.branching
+        self.table.reserve(session, min(room, self.engine.cache.max_seq_len), busy)
         policy = tree_policy(depth, spec.branching, spec.budget)
         generator = round_generator(spec.params, len(session.committed), DRAFT_STREAM)
         session.region_tokens = list(session.pending)

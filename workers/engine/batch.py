@@ -3,7 +3,8 @@
 `SlotInput` describes one slot's uncommitted region as a tree (parents, -1 =
 child of the committed prefix) and feeds its last T tokens; `build_batch`
 derives positions and the tree attention masks from it and lays B slots out
-as one `ForwardBatch` of N = sum(T_b) tokens, unpadded.
+as one `ForwardBatch` of N = sum(T_b) tokens, unpadded, with the KV pool
+positions (workers/engine/kv_cache.py) each token writes and each group reads.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from itertools import accumulate
 
 import torch
 
+from workers.engine.kv_cache import NULL_BLOCK, PagedKVCache
 from workers.speculation.tree import depths, tree_mask
 
 
@@ -36,6 +38,9 @@ class RowGroup:
     slots: torch.Tensor  # (G,) long: their cache slots
     new: int  # T: new tokens per row
     width: int  # L: cache entries their attention reads
+    # (G * L,) long: the KV pool position of each row's columns 0..L-1, row after row
+    # (the null block past a row's own length)
+    positions: torch.Tensor
     mask: torch.Tensor  # (G, 1, T, L) bool: which cache entries each new token sees
 
 
@@ -53,16 +58,17 @@ class ForwardBatch:
 
     tokens: torch.Tensor  # (N,) long: new tokens
     positions: torch.Tensor  # (N,) long: RoPE positions
-    token_slots: torch.Tensor  # (N,) long: the cache slot of each token
-    token_columns: torch.Tensor  # (N,) long: the cache column each token's key/value goes to
+    token_positions: torch.Tensor  # (N,) long: the KV pool position each token's key/value goes to
     groups: list[RowGroup]
     ends: list[int]  # (B,): where each row's tokens end among the N
 
 
-def build_batch(rows: list[SlotInput], room: int, device: torch.device) -> ForwardBatch:
-    """The forward of `rows` laid out for the model: N tokens, their positions, cache columns,
-    and one attention mask per group of rows with equal T (`room`: cache entries per slot)."""
+def build_batch(rows: list[SlotInput], cache: PagedKVCache, device: torch.device) -> ForwardBatch:
+    """The forward of `rows` laid out for the model: N tokens, their positions, pool positions,
+    and one attention mask per group of rows with equal T. Each row's slot must already
+    hold blocks for its L_b columns (`PagedKVCache.reserve`)."""
     widths = [r.prefix_len + len(r.parents) for r in rows]  # L_b
+    room = cache.max_seq_len
     if max(widths) > room:
         raise ValueError(f"sequence of {max(widths)} tokens exceeds the cache ({room} tokens)")
     lengths = [len(r.tokens) for r in rows]  # T_b
@@ -80,8 +86,10 @@ def build_batch(rows: list[SlotInput], room: int, device: torch.device) -> Forwa
         members = [b for b, n in enumerate(lengths) if n == new]
         width = max(widths[b] for b in members)
         mask = torch.zeros(len(members), 1, new, width, dtype=torch.bool)  # (G, 1, T, L)
+        read = torch.full((len(members), width), NULL_BLOCK * cache.block_size)  # (G, L)
         for i, b in enumerate(members):
             mask[i, 0, :, : widths[b]] = masks[b]
+            read[i, : widths[b]] = cache.positions(rows[b].slot, torch.arange(widths[b]))
         tokens = None
         if len(members) < len(rows):
             tokens = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in members])
@@ -91,18 +99,18 @@ def build_batch(rows: list[SlotInput], room: int, device: torch.device) -> Forwa
                 slots=torch.tensor([rows[b].slot for b in members], device=device),
                 new=new,
                 width=width,
+                positions=read.flatten().to(device),
                 mask=mask.to(device),
             )
         )
-    columns = [torch.arange(w - n, w) for w, n in zip(widths, lengths, strict=True)]
+    written = [
+        cache.positions(r.slot, torch.arange(w - n, w))
+        for r, w, n in zip(rows, widths, lengths, strict=True)
+    ]  # (T_b,) each
     return ForwardBatch(
         tokens=torch.tensor([x for r in rows for x in r.tokens], device=device),
         positions=torch.cat(positions).to(device),
-        token_slots=torch.tensor(
-            [r.slot for r, n in zip(rows, lengths, strict=True) for _ in range(n)],
-            device=device,
-        ),
-        token_columns=torch.cat(columns).to(device),
+        token_positions=torch.cat(written).to(device),
         groups=groups,
         ends=starts[1:],
     )

@@ -1,9 +1,10 @@
-"""An engine: a loaded model, its tokenizer, and a slot KV cache.
+"""An engine: a loaded model, its tokenizer, and a block-paged KV cache.
 
 `Engine.forward` is the only way tokens reach the model: it takes one
 `SlotInput` per slot (workers/engine/batch.py), so prefill (a chain), decode
 (one token), tree verification and level-by-level draft expansion are the
-same call.
+same call. A runner reserves each row's KV blocks first
+(`SessionTable.reserve`, which evicts idle sessions when the pool is short).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 from workers.engine.batch import SlotInput, build_batch
-from workers.engine.kv_cache import SlotKVCache
+from workers.engine.kv_cache import PagedKVCache
 from workers.engine.llama import NativeLlama
 from workers.engine.packed import pack_linears
 from workers.protocol import WorkerInfo
@@ -30,9 +31,12 @@ class EngineConfig:
     model: str = EMBEDDED_MODEL  # alias, local directory, .gguf file or HF id
     device: str = "cpu"  # torch device; "cuda" where a GPU build of torch is installed
     dtype: str = "float32"  # one of DTYPES
-    max_sessions: int = 8  # KV slots, i.e. sessions held at once
+    max_sessions: int = 8  # sessions held at once (each a block table, no memory of its own)
     max_seq_len: int = 2048  # context per session (capped at the model's context)
     max_tree_nodes: int = 64  # most speculative tokens past the context, cached while verified
+    # KV cache positions shared by all sessions; None = every session at its full context
+    kv_tokens: int | None = None
+    kv_block_size: int = 16  # positions per KV block (the unit sessions take and return)
     pack_weights: bool = True  # float32 on CPU: oneDNN-packed linear layers (engine/packed.py)
     cache_dir: Path | None = None  # model cache; None = $SPECSPLIT_MODEL_CACHE or ~/.cache
 
@@ -41,7 +45,7 @@ class EngineConfig:
 class Engine:
     model: NativeLlama
     tokenizer: object
-    cache: SlotKVCache
+    cache: PagedKVCache
     model_id: str
     context_length: int  # most committed tokens per session
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -63,16 +67,19 @@ class Engine:
         if config.pack_weights:
             pack_linears(model)
         shape = model.shape
-        cache = SlotKVCache(
+        context = min(config.max_seq_len, shape.max_positions)
+        room = context + config.max_tree_nodes  # cache columns one session may reach
+        cache = PagedKVCache(
             num_layers=shape.num_layers,
             num_slots=config.max_sessions,
             num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_dim,
-            max_seq_len=min(config.max_seq_len, shape.max_positions) + config.max_tree_nodes,
+            max_seq_len=room,
+            num_tokens=config.kv_tokens or config.max_sessions * room,
             dtype=next(hf_model.parameters()).dtype,
             device=config.device,
+            block_size=config.kv_block_size,
         )
-        context = min(config.max_seq_len, shape.max_positions)
         return cls(model, tokenizer, cache, model_id, context, torch.device(config.device))
 
     @property
@@ -108,12 +115,17 @@ class Engine:
             live_sessions=live_sessions,
             eos_token_ids=eos,
             max_tree_nodes=max_tree_nodes,
+            kv_tokens=self.cache.capacity_tokens,
+            kv_tokens_used=self.cache.used_tokens,
         )
 
     @torch.inference_mode()
     def forward(self, rows: list[SlotInput]) -> list[torch.Tensor]:
-        """Runs one forward over several slots; returns logits (logits_for_b, V) per row."""
-        batch = build_batch(rows, self.cache.max_seq_len, self.device)
+        """Runs one forward over several slots; returns logits (logits_for_b, V) per row.
+        Takes the KV blocks a row still lacks (OutOfBlocks if the pool is short)."""
+        for r in rows:
+            self.cache.reserve(r.slot, r.prefix_len + len(r.parents))
+        batch = build_batch(rows, self.cache, self.device)
         hidden = self.model.hidden(self.cache, batch)  # (N, E)
         picked = torch.cat(
             [hidden[end - r.logits_for : end] for end, r in zip(batch.ends, rows, strict=True)]

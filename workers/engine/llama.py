@@ -1,4 +1,4 @@
-"""A native forward pass for the Llama family over a slot-based KV cache.
+"""A native forward pass for the Llama family over a block-paged KV cache.
 
 Llama 2/3, Qwen2/2.5, Mistral and SmolLM share one block: RMSNorm, rotary
 position embeddings (with any scaling variant transformers knows), grouped-query
@@ -24,7 +24,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from workers.engine.batch import ForwardBatch, RowGroup
-from workers.engine.kv_cache import SlotKVCache
+from workers.engine.kv_cache import PagedKVCache
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -122,7 +122,7 @@ class Block(nn.Module):
         self.shape = shape
         self.index = index
 
-    def attention(self, x, cos, sin, cache: SlotKVCache, batch: ForwardBatch):
+    def attention(self, x, cos, sin, cache: PagedKVCache, batch: ForwardBatch):
         # x: (N, E) -> (N, E); cos, sin: (N, 1, D)
         s = self.shape
         n = x.shape[0]
@@ -139,7 +139,7 @@ class Block(nn.Module):
                 out[g.tokens] = self.attend(q[g.tokens], cache, g)
         return self.o_proj(out.reshape(n, s.num_heads * s.head_dim))
 
-    def attend(self, q: torch.Tensor, cache: SlotKVCache, g: RowGroup) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, cache: PagedKVCache, g: RowGroup) -> torch.Tensor:
         # q: (G * T, H, D), the group's queries row after row -> (G * T, H, D)
         s = self.shape
         keys, values = cache.read(self.index, g)  # (G, Hkv, L, D) each
@@ -149,7 +149,7 @@ class Block(nn.Module):
         )  # (G, H, T, D)
         return out.transpose(1, 2).reshape(-1, s.num_heads, s.head_dim)
 
-    def forward(self, x, cos, sin, cache: SlotKVCache, batch: ForwardBatch):
+    def forward(self, x, cos, sin, cache: PagedKVCache, batch: ForwardBatch):
         # x: (N, E) -> (N, E)
         eps = self.shape.rms_norm_eps
         x = x + self.attention(rms_norm(x, self.norm_attn, eps), cos, sin, cache, batch)
@@ -158,7 +158,7 @@ class Block(nn.Module):
 
 
 class NativeLlama(nn.Module):
-    """The Llama-family forward over a `SlotKVCache`, sharing the weights of `hf_model`."""
+    """The Llama-family forward over a `PagedKVCache`, sharing the weights of `hf_model`."""
 
     def __init__(self, hf_model):
         super().__init__()
@@ -178,7 +178,7 @@ class NativeLlama(nn.Module):
         self.lm_head = hf_model.lm_head
         self.rotary = Rotary(config)
 
-    def hidden(self, cache: SlotKVCache, batch: ForwardBatch) -> torch.Tensor:
+    def hidden(self, cache: PagedKVCache, batch: ForwardBatch) -> torch.Tensor:
         """Writes the new tokens' keys/values into the cache; returns final hidden (N, E)."""
         x = self.embed(batch.tokens)  # (N, E)
         cos, sin = self.rotary(batch.positions, x.dtype)  # (N, 1, D) each

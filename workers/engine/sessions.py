@@ -9,17 +9,26 @@ not line up — an unknown, evicted or out-of-sync session — raises
 `SessionLost`, and the caller re-sends the history.
 
 Slots are reclaimed by `end`, by `reap_idle` after an idle timeout, and by
-least-recently-used eviction when a new session needs a slot.
+least-recently-used eviction when a new session needs a slot. Over a model's
+paged KV cache (`attach`), a slot is only a block table: `reserve` gives a
+session the blocks its next forward writes, and when too few are free it
+evicts the least recently used sessions outside the batch (preemption by
+recompute, as vLLM does: they re-send their history) until they are.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from workers.engine.kv_cache import OutOfBlocks
 from workers.protocol.errors import SessionLost, WorkerBusy
+
+if TYPE_CHECKING:
+    from workers.engine.kv_cache import PagedKVCache
 
 
 @dataclass
@@ -55,6 +64,13 @@ class SessionTable:
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self.free = list(range(num_slots))
         self.evictions = 0
+        self.cache: PagedKVCache | None = None  # the KV blocks behind the slots (attach)
+
+    def attach(self, cache: PagedKVCache) -> None:
+        """Makes the slots this table hands out block tables of `cache`."""
+        if cache.num_slots < self.num_slots:
+            raise ValueError(f"{self.num_slots} sessions over a cache of {cache.num_slots} slots")
+        self.cache = cache
 
     def __len__(self) -> int:
         return len(self.sessions)
@@ -120,6 +136,28 @@ class SessionTable:
                 return self.free.pop(0)
         raise WorkerBusy(f"all {self.num_slots} session slots are busy")
 
+    def reserve(self, session: Session, length: int, busy: Collection[str]) -> None:
+        """Gives the session's slot KV blocks for `length` columns; see the module docstring.
+        Raises OutOfBlocks (a WorkerBusy) when even that frees too few."""
+        cache = self.cache
+        while True:
+            try:
+                cache.reserve(session.slot, length)
+                return
+            except OutOfBlocks:
+                victim = next(
+                    (
+                        s
+                        for s in self.sessions.values()
+                        if s.id not in busy and s is not session and cache.held[s.slot]
+                    ),
+                    None,
+                )
+                if victim is None:
+                    raise
+                self.end(victim.id)
+                self.evictions += 1
+
     def touch(self, session: Session) -> None:
         session.last_used = self.clock()
         self.sessions.move_to_end(session.id)
@@ -129,6 +167,8 @@ class SessionTable:
         if session is None:
             return False
         self.free.append(session.slot)
+        if self.cache is not None:
+            self.cache.release(session.slot)
         return True
 
     def active(self, within_s: float) -> list[str]:

@@ -31,6 +31,7 @@ from workers.engine.sessions import SessionTable
 from workers.loop.driver import Pair, generate
 from workers.loop.state import Generation, Plan, Round
 from workers.protocol import (
+    UNFINISHED,
     Backend,
     InvalidCall,
     ProposeCall,
@@ -113,7 +114,10 @@ class InProcessTarget(InProcessWorker):
         raise InvalidCall("a target worker does not propose")
 
     async def verify(self, call: VerifyCall) -> VerifyOutcome:
-        return self.unwrap((await self.run(lambda: self.runner.verify([call])))[0])
+        result = UNFINISHED
+        while result is UNFINISHED:  # a long prompt, prefilled in chunks
+            result = (await self.run(lambda: self.runner.verify([call])))[0]
+        return self.unwrap(result)
 
     async def end(self, session_id: str) -> bool:
         return await self.run(lambda: self.runner.end(session_id))

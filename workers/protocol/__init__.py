@@ -10,10 +10,12 @@ Importing it loads no model code (no engine, no transformers).
 
 from workers.protocol.backend import Backend, BackendFactory, Role
 from workers.protocol.calls import (
+    UNFINISHED,
     ProposeCall,
     Timings,
     TokenLogprob,
     TreeSpec,
+    Unfinished,
     VerifyCall,
     VerifyOutcome,
     WorkerInfo,
@@ -30,6 +32,8 @@ from workers.protocol.errors import (
 )
 
 __all__ = [
+    "UNFINISHED",
+    "Unfinished",
     "Backend",
     "BackendFactory",
     "IncompatibleWorkers",

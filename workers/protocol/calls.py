@@ -57,6 +57,15 @@ class VerifyCall:
     acceptance: AcceptanceRule = EXACT  # how draft tokens are accepted; only exact is lossless
 
 
+class Unfinished:
+    """A runner's answer to a call that needs another step: a long prompt is prefilled in
+    chunks, one per step, between the other sessions' rounds. The caller runs the same
+    call object again (the batcher re-queues it)."""
+
+
+UNFINISHED = Unfinished()
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     token: int
@@ -95,6 +104,8 @@ class WorkerInfo:
     live_sessions: int = 0  # sessions held now
     eos_token_ids: tuple[int, ...] = ()  # tokens that end a generation
     max_tree_nodes: int = 0  # most draft nodes per tree; 0 = no limit stated
+    kv_tokens: int = 0  # KV cache positions shared by all sessions (paged); 0 = no cache
+    kv_tokens_used: int = 0  # of those, positions held by sessions now
 
     def pairs_with(self, fingerprint: str) -> bool:
         """Whether this worker's token ids mean the same as a tokenizer's with `fingerprint`."""

@@ -17,7 +17,12 @@ queued during a step would run alone right after it, the step's sessions
 would queue during that lone step, and the two groups would alternate,
 half-size batches for ever. With it they merge again. A session appears at
 most once per batch; a second call of the same session goes in the next
-one, as does a call that did not fit, without waiting again.
+one, as does a call that did not fit, without waiting again. A call the step
+answers `UNFINISHED` (a long prompt prefilled in chunks) goes back to the head
+of the queue and joins the next batch with the calls of the other sessions:
+it waits for every active session to queue a call, for up to the duration of
+the step it just had (it is in no hurry; without the wait it would run alone
+while the others' calls travel, and they would get every other step only).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from workers.protocol import Timings
+from workers.protocol import UNFINISHED, Timings
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,7 @@ class _Queued(Generic[C]):
     arrived_ns: int
     future: asyncio.Future
     passed_over: bool = False  # left out of a batch (its session was in it, or it was full)
+    patient: bool = False  # an unfinished call: waits for the others as long as a step lasts
 
 
 class Batcher(Generic[C, R]):
@@ -111,6 +117,8 @@ class Batcher(Generic[C, R]):
         self._full = asyncio.Event()  # the queue holds max_tokens
         self._task: asyncio.Task | None = None
         self._last_end_ns = 0  # when the previous step ended
+        self._last_step_ns = 0  # how long it took
+        self.patience = True  # unfinished calls wait for the others (off once draining)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="batcher")
@@ -118,6 +126,7 @@ class Batcher(Generic[C, R]):
     def drain(self) -> None:
         """From now on run queued calls at once, without waiting for others to join."""
         self.wait_ns = 0
+        self.patience = False
         self._full.set()
 
     async def close(self) -> None:
@@ -168,7 +177,12 @@ class Batcher(Generic[C, R]):
         """Waits until wait_ns after the oldest call and the last step, or the queue is full."""
         oldest = self._queue[0]
         since = max(oldest.arrived_ns, self._last_end_ns)
-        left_ns = since + self.wait_ns - time.perf_counter_ns()
+        wait_ns = (
+            max(self.wait_ns, self._last_step_ns)
+            if oldest.patient and self.patience
+            else self.wait_ns
+        )
+        left_ns = since + wait_ns - time.perf_counter_ns()
         full = self._queued_cost >= self.max_tokens or self._everyone_queued()
         if left_ns <= 0 or oldest.passed_over or full:
             return
@@ -207,11 +221,18 @@ class Batcher(Generic[C, R]):
             log.exception("batch of %d calls failed", len(batch))
             results = [error] * len(batch)
         self._last_end_ns = time.perf_counter_ns()
-        forward_ns = self._last_end_ns - start
+        forward_ns = self._last_step_ns = self._last_end_ns - start
         self.batches += 1
         self.largest = max(self.largest, len(batch))
+        again = [q for q, result in zip(batch, results, strict=True) if result is UNFINISHED]
+        for q in reversed(again):
+            q.passed_over, q.patient = False, True
+            self._queue.appendleft(q)
+            self._queued_cost += q.cost
+        if again:
+            self._ready.set()
         for q, result in zip(batch, results, strict=True):
-            if q.future.done():
+            if q.future.done() or result is UNFINISHED:
                 continue
             if isinstance(result, Exception):
                 q.future.set_exception(result)

@@ -230,6 +230,8 @@ def info_to_proto(info: WorkerInfo) -> pb.InfoResponse:
         live_sessions=info.live_sessions,
         eos_token_ids=info.eos_token_ids,
         max_tree_nodes=info.max_tree_nodes,
+        kv_tokens=info.kv_tokens,
+        kv_tokens_used=info.kv_tokens_used,
     )
 
 
@@ -245,4 +247,6 @@ def info_from_proto(msg: pb.InfoResponse) -> WorkerInfo:
         live_sessions=msg.live_sessions,
         eos_token_ids=tuple(msg.eos_token_ids),
         max_tree_nodes=msg.max_tree_nodes,
+        kv_tokens=msg.kv_tokens,
+        kv_tokens_used=msg.kv_tokens_used,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 from proto.specsplit.v1 import specsplit_pb2 as pb
@@ -79,9 +80,11 @@ def propose_cost(call: ProposeCall) -> int:
     return len(call.tokens) + call.spec.depth * call.spec.branching + 1
 
 
-def verify_cost(call: VerifyCall) -> int:
-    """Tokens a call feeds, at most: what it brings plus its tree and the re-fed root."""
-    return len(call.tokens) + len(call.tree) + 1
+def verify_cost(call: VerifyCall, prefill_chunk: int | None = None) -> int:
+    """Tokens a call feeds in one step, at most: what it brings (one chunk of it when long
+    prompts are prefilled in chunks) plus its tree and the re-fed root."""
+    tokens = len(call.tokens) if prefill_chunk is None else min(len(call.tokens), prefill_chunk)
+    return tokens + len(call.tree) + 1
 
 
 class WorkerServicer(pb_grpc.DraftServiceServicer, pb_grpc.TargetServiceServicer):
@@ -135,7 +138,8 @@ def runner_for(
     metered = MeteredEngine(engine, metrics.observe_forward)
     table = SessionTable(engine.num_slots, idle_s)
     if role == "target":
-        return TargetRunner(metered, table, settings.max_tree_nodes), 0
+        chunk = settings.prefill_chunk or None
+        return TargetRunner(metered, table, settings.max_tree_nodes, chunk), 0
     return ModelDrafter(metered, table), engine.context_length + engine.max_tree_nodes
 
 
@@ -149,7 +153,9 @@ async def serve_role(role: Role, engine: Engine | None, settings: WorkerSettings
         runner.verify if target else runner.propose,
         thread,
         key=lambda call: call.session_id,
-        cost=verify_cost if target else propose_cost,
+        cost=partial(verify_cost, prefill_chunk=settings.prefill_chunk or None)
+        if target
+        else propose_cost,
         wait_s=settings.batch_wait_ms / 1000,
         max_tokens=settings.max_batch_tokens,
         on_batch=metrics.observe_batch,

@@ -6,6 +6,13 @@ tree, all in one forward, and for each session keeps the accepted path in the
 KV cache and advances its history by the accepted tokens plus the bonus token.
 A request with an empty tree is a plain decode step (or a prefill when the
 session starts from its full history).
+
+With `prefill_chunk`, a call bringing more pending tokens than that is fed in
+chunks of `prefill_chunk` tokens, one per step, and answered `UNFINISHED`
+until its last chunk goes with its tree: the caller (the batcher) runs the
+same call again in its next batch, so the other sessions' rounds go on between
+the chunks instead of waiting for the whole prompt. The tokens are the same:
+a chunk's keys and values are those the whole prompt would have written.
 """
 
 from __future__ import annotations
@@ -17,7 +24,14 @@ import torch
 from workers.engine.batch import SlotInput
 from workers.engine.engine import Engine
 from workers.engine.sessions import Session, SessionTable
-from workers.protocol import TokenLogprob, VerifyCall, VerifyOutcome, WorkerInfo
+from workers.protocol import (
+    UNFINISHED,
+    TokenLogprob,
+    Unfinished,
+    VerifyCall,
+    VerifyOutcome,
+    WorkerInfo,
+)
 from workers.speculation.sampling import TARGET_STREAM, round_generator
 from workers.speculation.tree import TokenTree, check_tokens, depths, validate_tree
 from workers.speculation.verify import verify
@@ -29,6 +43,7 @@ class Prepared:
     session: Session
     row: SlotInput
     prefix_hit: int
+    chunk: bool = False  # the row is a prefill chunk: no tree, no logits, more to come
 
 
 def region(pending: list[int], tree: TokenTree) -> tuple[list[int], list[int]]:
@@ -39,12 +54,41 @@ def region(pending: list[int], tree: TokenTree) -> tuple[list[int], list[int]]:
 
 
 class TargetRunner:
-    def __init__(self, engine: Engine, table: SessionTable, max_tree_nodes: int | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        table: SessionTable,
+        max_tree_nodes: int | None = None,
+        prefill_chunk: int | None = None,
+    ):
         self.engine = engine
         self.table = table
+        table.attach(engine.cache)
         self.max_tree_nodes = min(max_tree_nodes or engine.max_tree_nodes, engine.max_tree_nodes)
+        self.prefill_chunk = prefill_chunk  # most pending tokens fed per step; None = all
+        # session -> (its call being prefilled in chunks, that call's prefix hit)
+        self.chunking: dict[str, tuple[VerifyCall, int]] = {}
 
     def prepare(self, call: VerifyCall, busy: set[str]) -> Prepared:
+        going = self.chunking.pop(call.session_id, None)
+        if going is not None and going[0] is call:  # its next chunk: already synced
+            session, hit = self.table.get(call.session_id), going[1]
+            self.table.touch(session)
+        else:
+            session, hit = self.sync(call, busy)
+        pending = session.pending
+        if self.prefill_chunk and len(pending) > self.prefill_chunk:
+            fed = pending[: self.prefill_chunk]
+            row = SlotInput(session.slot, session.cached, list(range(-1, len(fed) - 1)), fed, 0)
+            self.chunking[call.session_id] = (call, hit)
+        else:
+            tokens, parents = region(pending, call.tree)
+            row = SlotInput(session.slot, session.cached, parents, tokens, len(call.tree) + 1)
+        self.table.reserve(session, session.cached + len(row.parents), busy)
+        return Prepared(call, session, row, hit, chunk=row.logits_for == 0)
+
+    def sync(self, call: VerifyCall, busy: set[str]) -> tuple[Session, int]:
+        """Checks the call and brings its session up to date; returns it and the prefix hit."""
         check_tokens(call.tokens, self.engine.vocab_size)
         validate_tree(call.tree, self.engine.vocab_size, self.max_tree_nodes)
         depth = int(depths(call.tree.parents).max()) if len(call.tree) else 0
@@ -57,13 +101,12 @@ class TargetRunner:
         session = synced.session
         if session.cached == len(session.committed):  # the root must be fed for its logits
             session.cached -= 1
-        tokens, parents = region(session.pending, call.tree)
-        row = SlotInput(session.slot, session.cached, parents, tokens, len(call.tree) + 1)
-        return Prepared(call, session, row, synced.prefix_hit)
+        return session, synced.prefix_hit
 
-    def verify(self, calls: list[VerifyCall]) -> list[VerifyOutcome | Exception]:
-        """Verifies every call in one forward; a bad call gets its own exception."""
-        results: list[VerifyOutcome | Exception | None] = [None] * len(calls)
+    def verify(self, calls: list[VerifyCall]) -> list[VerifyOutcome | Unfinished | Exception]:
+        """Verifies every call in one forward; a bad call gets its own exception, a call
+        whose prompt is still being prefilled in chunks `UNFINISHED`."""
+        results: list[VerifyOutcome | Unfinished | Exception | None] = [None] * len(calls)
         prepared: list[tuple[int, Prepared]] = []
         busy = {c.session_id for c in calls}
         seen: set[str] = set()
@@ -78,7 +121,11 @@ class TargetRunner:
         if prepared:
             logits = self.engine.forward([p.row for _, p in prepared])
             for (i, p), rows in zip(prepared, logits, strict=True):
-                results[i] = self.finish(p, rows)
+                if p.chunk:
+                    p.session.cached += len(p.row.tokens)
+                    results[i] = UNFINISHED
+                else:
+                    results[i] = self.finish(p, rows)
         return results  # type: ignore[return-value]
 
     def finish(self, p: Prepared, logits: torch.Tensor) -> VerifyOutcome:
@@ -99,6 +146,7 @@ class TargetRunner:
         return VerifyOutcome(verdict.accepted, emitted, logprobs, p.prefix_hit)
 
     def end(self, session_id: str) -> bool:
+        self.chunking.pop(session_id, None)
         return self.table.end(session_id)
 
     def info(self) -> WorkerInfo:

@@ -12,6 +12,7 @@ workers.py   `workers`: a target and an n-gram draft worker over gRPC
 draft.py     `draft`: the figures of a distilled draft (bench/DRAFT.md)
 admission.py `admission`: more streams at once than `specsplit serve` holds (the queue)
 lossy.py     `lossy`: each lossy acceptance rule's speed and agreement with exact output
+prefill.py   `prefill`: running streams' inter-token latency while a long prompt arrives
 machine.py   the machine every kind reports, described once
 """
 
@@ -44,6 +45,10 @@ KINDS: Table = {
     "lossy": (
         "workers.tools.bench.lossy",
         "lossy acceptance rules vs exact: tokens/s and agreement with the lossless text",
+    ),
+    "prefill": (
+        "workers.tools.bench.prefill",
+        "running streams' inter-token latency while a long prompt arrives (chunked prefill)",
     ),
 }
 

@@ -59,11 +59,20 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    """`specsplit serve ARGS` in a subprocess (on a free port), until its ready line."""
+    """`specsplit serve ARGS` in a subprocess (on a free port), until its ready line; from
+    another checkout's .venv with `checkout` (to time another branch side by side)."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, timeout_s=600.0):
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        timeout_s=600.0,
+        checkout: Path | None = None,
+    ):
         self.port = free_port()
-        serve = [sys.executable, "-m", "workers.tools.cli", "serve"]
+        python = sys.executable if checkout is None else str(checkout / ".venv" / "bin" / "python")
+        self.cwd = checkout
+        serve = [python, "-m", "workers.tools.cli", "serve"]
         self.command = [*serve, "--port", str(self.port), *args]
         self.env = env or dict(os.environ)
         self.timeout_s = timeout_s
@@ -77,7 +86,12 @@ class ServeProcess:
 
     def __enter__(self) -> ServeProcess:
         self.process = subprocess.Popen(
-            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env
+            self.command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+            cwd=self.cwd,
         )
         threading.Thread(target=self._drain, daemon=True).start()
         if not self.ready.wait(self.timeout_s):
@@ -219,6 +233,18 @@ async def run_streams(
         results = await asyncio.gather(*(stream(i) for i in range(streams)))
         wall = time.perf_counter() - start
     return [t for r in results for t in r], wall
+
+
+def worker_rss_mib(serve: ServeProcess) -> dict[int, float]:
+    """Resident memory of each worker process that `serve` started: {pid: MiB}."""
+    pid = serve.process.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    out = {}
+    for child in map(int, children):
+        status = Path(f"/proc/{child}/status").read_text()
+        kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS"))
+        out[child] = kib / 1024
+    return out
 
 
 def histogram_buckets(url: str, name: str, label: str = "") -> dict[str, list[tuple[float, float]]]:
