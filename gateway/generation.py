@@ -21,6 +21,7 @@ from gateway.metrics import Metrics
 from gateway.pool import Admission, Router, shutting_down
 from gateway.speculation import LoopOptions, Speculation
 from gateway.text import Piece, TextStream
+from workers.draft.suffix import SuffixCache
 from workers.loop import Counters, Plan
 from workers.protocol import TokenLogprob, TreeSpec
 from workers.speculation.sampling import SamplingParams
@@ -39,6 +40,7 @@ class GenerationRequest:
     stop_ids: frozenset[int]
     num_logprobs: int = -1
     affinity: str | None = None
+    tenant: str = ""  # a hash of the request's API key ('' = none): its suffix cache
 
     @property
     def choices(self) -> int:
@@ -59,6 +61,7 @@ class GenerationRequest:
             self.spec,
             self.stop_ids,
             self.num_logprobs,
+            self.tenant,
         )
 
 
@@ -100,6 +103,7 @@ class Generator:
     tokenizer: object
     metrics: Metrics
     options: LoopOptions = LoopOptions()  # how trees are made (adaptive, overlapped)
+    suffixes: SuffixCache | None = None  # each choice's output goes here for later drafts
     recent: Acceptance = field(init=False)  # acceptance over every session's recent rounds
 
     def __post_init__(self):
@@ -161,6 +165,10 @@ class Generator:
             self.leave_choice(speculation, text, record)
 
     def leave_choice(self, speculation: Speculation, text: TextStream, record: Record) -> None:
+        if self.suffixes is not None:
+            plan = speculation.state.plan
+            output = speculation.history[len(plan.prompt) :]
+            self.suffixes.add(plan.tenant, plan.prompt, output)
         record.completion_tokens += len(text.tokens)
         record.counters.add(speculation.counters)
         self.metrics.generation_tokens.inc(len(text.tokens))

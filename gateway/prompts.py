@@ -91,6 +91,7 @@ def generation_request(
     context_length: int,
     stop_ids: frozenset[int],
     affinity: str | None,
+    tenant: str = "",
 ) -> GenerationRequest:
     """Checks the request's limits against the server's and the context's."""
     if request.n > options.max_n:
@@ -132,4 +133,5 @@ def generation_request(
         stop_ids=stop_ids,
         num_logprobs=request.num_logprobs,
         affinity=affinity,
+        tenant=tenant,
     )

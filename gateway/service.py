@@ -28,6 +28,7 @@ from gateway.responses import Format, sse
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.text import TokenText
+from workers.draft.suffix import SuffixCache
 from workers.loop.inprocess import InProcessFactory, local_ngram_draft
 from workers.protocol import BackendFactory
 
@@ -84,10 +85,12 @@ class Gateway:
         if not targets.addresses:
             raise ValueError("no target workers: set --target-addresses")
         drafts: Pool | None = None
+        suffixes: SuffixCache | None = None  # only the in-gateway n-gram draft reads it
         if settings.draft_addresses:
             drafts = pool("draft", split_addresses(settings.draft_addresses))
         elif settings.local_draft == "ngram":
-            local = local_ngram_draft(max(2 * settings.max_sessions, 64))
+            suffixes = settings.suffix_cache()
+            local = local_ngram_draft(max(2 * settings.max_sessions, 64), suffixes)
             drafts = pool("draft", [local.address], InProcessFactory([local]))
         router = Router(
             targets,
@@ -98,7 +101,7 @@ class Gateway:
             retry_after_s=max(1, round(settings.health_interval_s)),
         )
         await asyncio.gather(*(p.start() for p in (targets, drafts) if p is not None))
-        generator = Generator(router, tokenizer, metrics, settings.loop_options)
+        generator = Generator(router, tokenizer, metrics, settings.loop_options, suffixes)
         return cls(settings, tokenizer, router, metrics, generator, int(time.time()))
 
     async def close(self) -> None:
@@ -204,7 +207,10 @@ class Gateway:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         affinity = request.headers.get("x-session-id") or body.user
-        return generation_request(body, prompts, self.settings, context, frozenset(eos), affinity)
+        tenant = getattr(request.state, "tenant", "")
+        return generation_request(
+            body, prompts, self.settings, context, frozenset(eos), affinity, tenant
+        )
 
     async def respond(
         self, plan: GenerationRequest, fmt: Format, endpoint: str, stream: bool, request: Request

@@ -26,6 +26,7 @@ class Plan:
     spec: TreeSpec = TreeSpec()  # the largest tree to propose per round
     stop_ids: frozenset[int] = frozenset()  # tokens that end the generation (eos)
     num_logprobs: int = -1  # -1: none; k >= 0: each token's logprob and top k
+    tenant: str = ""  # whose request (see ProposeCall.tenant); '' = no API key
 
     def __post_init__(self):
         if not self.prompt:
