@@ -65,7 +65,7 @@ class GatewayOptions(BaseSettings):
         "same API key's requests: at most this many tokens per key; 0 = off",
     )
     suffix_cache_tenants: int = Field(
-        64, ge=1, description="API keys whose outputs the suffix cache holds (least recent out)"
+        32, ge=1, description="API keys whose outputs the suffix cache holds (least recent out)"
     )
     health_interval_s: float = Field(2.0, gt=0, description="seconds between worker health checks")
     dns_refresh_s: float = Field(

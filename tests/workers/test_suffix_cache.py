@@ -61,12 +61,11 @@ def test_memory_stays_within_its_bounds(seed):
         cache.add(tenant, [rng.randrange(6) for _ in range(6)], output)
         assert len(cache.tenants) <= 3
         for entry in cache.tenants.values():
-            assert entry.size == sum(len(t) for t in entry.outputs.values()) <= 200
-            # the index holds exactly the keys of the outputs still cached
-            assert sum(len(p) for p in entry.index.values()) == sum(
-                len(t) - 2 for t in entry.outputs.values()
-            )
-            assert all(i in entry.outputs for p in entry.index.values() for i, _ in p)
+            assert entry.size == len(entry.tokens) == sum(entry.lengths) <= 200
+            # the index holds exactly the places of the outputs still cached
+            places = sorted(p for ps in entry.index.values() for p in ps)
+            assert len(places) == sum(n - 3 for n in entry.lengths)  # key_len 2, and SEP
+            assert not places or places[0] >= entry.base
         assert cache.size <= 3 * 200
         cache.continuations(tenant, output[-5:], 4)  # a lookup never fails on evicted places
 

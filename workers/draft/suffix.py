@@ -13,7 +13,9 @@ within one engine.
   (the gateway's hash of the API key; requests without a key share one).
 - Memory is bounded: at most `tokens_per_tenant` tokens per tenant (the
   oldest outputs go first) and `max_tenants` tenants (the least recently used
-  goes first), so never more than their product.
+  goes first), so never more than their product. A cached token costs about
+  250 bytes at most (every n-gram distinct): the defaults hold at most
+  16,384 x 32 tokens, about 130 MB.
 - A lookup costs O(matches): an index maps each `key_len`-gram to the places
   it occurs, most recent last; the newest `max_scan` of them are extended
   backwards to find how long each match is, and the longest matches win.
@@ -24,6 +26,7 @@ It is not thread-safe: the gateway uses it from its event loop only.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,8 +34,8 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SuffixCacheConfig:
-    tokens_per_tenant: int = 65_536  # most cached tokens of one tenant; older outputs go first
-    max_tenants: int = 256  # most tenants cached; the least recently used goes first
+    tokens_per_tenant: int = 16_384  # most cached tokens of one tenant; older outputs go first
+    max_tenants: int = 32  # most tenants cached; the least recently used goes first
     context: int = 16  # prompt tokens kept before each output (where an answer starts)
     key_len: int = 3  # tokens a match must share at least (the index's n-gram length)
     max_match: int = 32  # longest match measured (longer ones rank the same)
@@ -51,15 +54,50 @@ def tenant_of(api_key: str | None) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()[:32] if api_key else ""
 
 
+SEP = -1  # after each cached output: no match extends or continues across it
+
+
+def _key(gram: Sequence[int]) -> int:
+    """The index's key of an n-gram (a hash: a lookup checks the tokens themselves)."""
+    return hash(tuple(gram))
+
+
 @dataclass
 class _Tenant:
-    """One tenant's outputs and the index over them."""
+    """One tenant's outputs in one flat array, and the index over them.
 
-    outputs: OrderedDict[int, list[int]] = field(default_factory=OrderedDict)  # id -> tokens
-    # key_len-gram -> (output id, position of its last token), oldest first
-    index: dict[tuple[int, ...], deque[tuple[int, int]]] = field(default_factory=dict)
-    size: int = 0  # tokens in outputs
-    next_id: int = 0
+    Positions are global: tokens[i] is position base + i, so evicting the
+    oldest output (the front of the array) leaves every other position valid."""
+
+    tokens: array = field(default_factory=lambda: array("l"))  # outputs, each then SEP
+    base: int = 0  # global position of tokens[0]
+    lengths: deque[int] = field(default_factory=deque)  # each output's length + 1, oldest first
+    index: dict[int, list[int]] = field(default_factory=dict)  # key -> its last tokens' positions
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def add(self, seq: list[int], key_len: int) -> None:
+        start = self.base + len(self.tokens)
+        self.tokens.extend(seq)
+        self.tokens.append(SEP)
+        self.lengths.append(len(seq) + 1)
+        for end in range(key_len - 1, len(seq) - 1):  # a key must have a next token
+            self.index.setdefault(_key(seq[end - key_len + 1 : end + 1]), []).append(start + end)
+
+    def evict_oldest(self, key_len: int) -> None:
+        """Drops the oldest output; its places are the first of their keys' lists."""
+        n = self.lengths.popleft()
+        seq = self.tokens[: n - 1]
+        for end in range(key_len - 1, len(seq) - 1):
+            key = _key(seq[end - key_len + 1 : end + 1])
+            places = self.index[key]
+            del places[0]
+            if not places:
+                del self.index[key]
+        del self.tokens[:n]
+        self.base += n
 
 
 class SuffixCache:
@@ -71,72 +109,52 @@ class SuffixCache:
 
     @property
     def size(self) -> int:
-        """Tokens cached, over all tenants."""
+        """Tokens cached (with one separator per output), over all tenants."""
         return sum(t.size for t in self.tenants.values())
 
     def add(self, tenant: str, prompt: Sequence[int], output: Sequence[int]) -> None:
         """Caches an output (after the tail of its prompt) for the tenant's later requests."""
         c = self.config
-        tokens = (list(prompt[-c.context :]) if c.context else []) + list(output)
-        tokens = tokens[-c.tokens_per_tenant :]
-        if not output or len(tokens) <= c.key_len:
+        seq = (list(prompt[-c.context :]) if c.context else []) + list(output)
+        seq = seq[-(c.tokens_per_tenant - 1) :] if c.tokens_per_tenant > 1 else []
+        if not output or len(seq) <= c.key_len:
             return
-        entry = self._touch(tenant)
-        while entry.size + len(tokens) > c.tokens_per_tenant:
-            self._evict_oldest(entry)
-        out_id = entry.next_id
-        entry.next_id += 1
-        entry.outputs[out_id] = tokens
-        entry.size += len(tokens)
-        for end in range(c.key_len - 1, len(tokens) - 1):  # a key must have a next token
-            key = tuple(tokens[end - c.key_len + 1 : end + 1])
-            entry.index.setdefault(key, deque()).append((out_id, end))
+        entry = self.tenants.get(tenant)
+        if entry is None:
+            entry = self.tenants[tenant] = _Tenant()
+        self.tenants.move_to_end(tenant)
+        while entry.size + len(seq) + 1 > c.tokens_per_tenant:
+            entry.evict_oldest(c.key_len)
+        entry.add(seq, c.key_len)
         while len(self.tenants) > c.max_tenants:
             self.tenants.popitem(last=False)
 
     def continuations(self, tenant: str, history: Sequence[int], depth: int) -> list[list[int]]:
-        """Up to `config.matches` runs of `depth` tokens that followed the history's suffix in
-        the tenant's outputs: longest match first, then most recent."""
+        """Up to `config.matches` runs of at most `depth` tokens that followed the history's
+        suffix in the tenant's outputs: longest match first, then most recent."""
         c = self.config
         entry = self.tenants.get(tenant)
         if entry is None or len(history) < c.key_len or depth < 1:
             return []
         self.tenants.move_to_end(tenant)
-        places = entry.index.get(tuple(history[-c.key_len :]))
-        if not places:
-            return []
+        places = entry.index.get(_key(history[-c.key_len :]), [])
+        tokens = entry.tokens
         found: list[tuple[int, int, list[int]]] = []  # (-match length, age rank, continuation)
-        for rank, (out_id, end) in enumerate(reversed(places)):
-            if rank == c.max_scan:
-                break
-            tokens = entry.outputs[out_id]
-            length = c.key_len  # the key matched; extend backwards
+        for rank, place in enumerate(reversed(places[-c.max_scan :])):
+            at = place - entry.base
+            length = 0  # how many tokens up to `at` equal the history's last ones
             while (
                 length < c.max_match
                 and length < len(history)
-                and end - length >= 0
-                and tokens[end - length] == history[-1 - length]
+                and at - length >= 0
+                and tokens[at - length] == history[-1 - length]
             ):
                 length += 1
-            found.append((-length, rank, tokens[end + 1 : end + 1 + depth]))
+            if length < c.key_len:  # a hash collision
+                continue
+            cont = tokens[at + 1 : at + 1 + depth].tolist()
+            if SEP in cont:
+                cont = cont[: cont.index(SEP)]
+            found.append((-length, rank, cont))
         found.sort(key=lambda f: (f[0], f[1]))
         return [cont for _, _, cont in found[: c.matches]]
-
-    def _touch(self, tenant: str) -> _Tenant:
-        entry = self.tenants.get(tenant)
-        if entry is None:
-            entry = self.tenants[tenant] = _Tenant()
-        self.tenants.move_to_end(tenant)
-        return entry
-
-    def _evict_oldest(self, entry: _Tenant) -> None:
-        """Drops the tenant's oldest output; its index entries are the oldest of their keys."""
-        k = self.config.key_len
-        out_id, tokens = entry.outputs.popitem(last=False)
-        entry.size -= len(tokens)
-        for end in range(k - 1, len(tokens) - 1):
-            key = tuple(tokens[end - k + 1 : end + 1])
-            places = entry.index[key]
-            places.popleft()
-            if not places:
-                del entry.index[key]
