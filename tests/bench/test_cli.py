@@ -16,7 +16,8 @@ def test_bench_help_lists_every_kind(capsys):
     out = capsys.readouterr().out
     assert "usage: specsplit bench [KIND]" in out and "(default: serve)" in out
     listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
-    assert listed == ["serve", "engine", "ceiling", "workers", "draft", "admission"] == list(KINDS)
+    kinds = ["serve", "engine", "ceiling", "workers", "draft", "admission", "suffix"]
+    assert listed == kinds == list(KINDS)
 
 
 def test_unknown_kind_exits_with_the_kinds():

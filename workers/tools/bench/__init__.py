@@ -11,6 +11,7 @@ ceiling.py   `ceiling`: n-gram trees vs chains, by replay
 workers.py   `workers`: a target and an n-gram draft worker over gRPC
 draft.py     `draft`: the figures of a distilled draft (bench/DRAFT.md)
 admission.py `admission`: more streams at once than `specsplit serve` holds (the queue)
+suffix.py    `suffix`: the suffix cache off vs on, on workloads that repeat across requests
 machine.py   the machine every kind reports, described once
 """
 
@@ -39,6 +40,10 @@ KINDS: Table = {
     "admission": (
         "workers.tools.bench.admission",
         "N streams at once against `specsplit serve`'s defaults: errors, texts, queue time",
+    ),
+    "suffix": (
+        "workers.tools.bench.suffix",
+        "the suffix cache off vs on: repeated questions, an agent's file edits",
     ),
 }
 
