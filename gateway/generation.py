@@ -25,6 +25,7 @@ from gateway.pool import Admission, Router, shutting_down
 from gateway.provenance import Provenance
 from gateway.speculation import LoopOptions, Speculation
 from gateway.text import Piece, TextStream
+from workers.draft.suffix import SuffixCache
 from workers.loop import Counters, Plan
 from workers.protocol import TokenLogprob
 from workers.speculation.sampling import SamplingParams
@@ -44,6 +45,7 @@ class GenerationRequest:
     num_logprobs: int = -1
     affinity: str | None = None
     provenance: bool = False  # each delta says where its tokens came from
+    tenant: str = ""  # a hash of the request's API key ('' = none): its suffix cache
 
     @property
     def choices(self) -> int:
@@ -65,6 +67,7 @@ class GenerationRequest:
             self.stop_ids,
             self.num_logprobs,
             self.control.acceptance,
+            self.tenant,
         )
 
 
@@ -107,6 +110,7 @@ class Generator:
     tokenizer: object
     metrics: Metrics
     options: LoopOptions = LoopOptions()  # how trees are made (adaptive, overlapped)
+    suffixes: SuffixCache | None = None  # each choice's output goes here for later drafts
     recent: Acceptance = field(init=False)  # acceptance over every session's recent rounds
 
     def __post_init__(self):
@@ -178,6 +182,10 @@ class Generator:
             self.leave_choice(speculation, text, record)
 
     def leave_choice(self, speculation: Speculation, text: TextStream, record: Record) -> None:
+        if self.suffixes is not None:
+            plan = speculation.state.plan
+            output = speculation.history[len(plan.prompt) :]
+            self.suffixes.add(plan.tenant, plan.prompt, output)
         record.completion_tokens += len(text.tokens)
         record.counters.add(speculation.counters)
         self.metrics.generation_tokens.inc(len(text.tokens))

@@ -93,6 +93,7 @@ def generation_request(
     stop_ids: frozenset[int],
     affinity: str | None,
     control: Control,
+    tenant: str = "",
 ) -> GenerationRequest:
     """Checks the request's limits against the server's and the context's."""
     if request.n > options.max_n:
@@ -135,4 +136,5 @@ def generation_request(
         num_logprobs=request.num_logprobs,
         affinity=affinity,
         provenance=bool(request.stream_options and request.stream_options.include_provenance),
+        tenant=tenant,
     )

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from gateway.errors import APIError, error_responses
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.service import Gateway
+from workers.draft.suffix import tenant_of
 
 STATIC = Path(__file__).parent / "static"  # the playground's page and script
 
@@ -33,11 +34,13 @@ Bearer = Annotated[HTTPAuthorizationCredentials | None, Security(HTTPBearer(auto
 
 
 def require_api_key(request: Request, credentials: Bearer) -> None:
-    """Bearer auth against SPECSPLIT_API_KEYS; open when no keys are set."""
+    """Bearer auth against SPECSPLIT_API_KEYS; open when no keys are set. Sets the
+    request's tenant (a hash of its key; the suffix cache is per tenant)."""
+    token = credentials.credentials.strip() if credentials is not None else ""
+    request.state.tenant = tenant_of(token)
     keys = request.app.state.settings.keys
     if not keys:
         return
-    token = credentials.credentials.strip() if credentials is not None else ""
     if not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
         raise APIError(
             401, "invalid or missing API key (Authorization: Bearer KEY)", None, "invalid_api_key"

@@ -29,6 +29,7 @@ from gateway.responses import Format, sse
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.text import TokenText
+from workers.draft.suffix import SuffixCache
 from workers.loop.inprocess import InProcessFactory, local_ngram_draft
 from workers.protocol import BackendFactory
 
@@ -86,8 +87,10 @@ class Gateway:
         if not targets.addresses:
             raise ValueError("no target workers: set --target-addresses")
         # the gateway's own n-gram drafter: the default draft, and there for requests that
-        # ask for "ngram" when the drafts are workers or off by default
-        local = local_ngram_draft(max(2 * settings.max_sessions, 64))
+        # ask for "ngram" when the drafts are workers or off by default; it alone reads the
+        # suffix cache
+        suffixes = settings.suffix_cache()
+        local = local_ngram_draft(max(2 * settings.max_sessions, 64), suffixes)
         ngram = pool("draft", [local.address], InProcessFactory([local]))
         drafts = ngram if settings.local_draft == "ngram" else None
         if settings.draft_addresses:
@@ -102,7 +105,7 @@ class Gateway:
             ngram=ngram if drafts is not ngram else None,
         )
         await asyncio.gather(*(p.start() for p in router.pools()))
-        generator = Generator(router, tokenizer, metrics, settings.loop_options)
+        generator = Generator(router, tokenizer, metrics, settings.loop_options, suffixes)
         return cls(settings, tokenizer, router, metrics, generator, int(time.time()))
 
     async def close(self) -> None:
@@ -212,7 +215,8 @@ class Gateway:
         pools = self.router.draft_pools()
         default = next((m for m, p in pools.items() if p is self.router.drafts), "off")
         spec = control(body.speculation, s.tree_spec, default, set(pools), s.allow_lossy)
-        return generation_request(body, prompts, s, context, frozenset(eos), affinity, spec)
+        tenant = getattr(request.state, "tenant", "")
+        return generation_request(body, prompts, s, context, frozenset(eos), affinity, spec, tenant)
 
     async def respond(
         self, plan: GenerationRequest, fmt: Format, endpoint: str, stream: bool, request: Request

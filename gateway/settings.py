@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings
 
 from gateway.adaptive import AdaptiveConfig
 from gateway.speculation import LoopOptions
+from workers.draft.suffix import SuffixCache, SuffixCacheConfig
 from workers.protocol import TreeSpec
 from workers.rpc.security import ClientSecurity, read, read_token
 from workers.settings import EMBEDDED_MODEL, settings_config
@@ -62,6 +63,15 @@ class GatewayOptions(BaseSettings):
     overlap_draft: bool = Field(
         False, description="draft the next round's tree while the target verifies this one"
     )
+    suffix_cache_tokens: int = Field(
+        16_384,
+        ge=0,
+        description="the in-gateway n-gram draft also copies from the recent outputs of the "
+        "same API key's requests: at most this many tokens per key; 0 = off",
+    )
+    suffix_cache_tenants: int = Field(
+        32, ge=1, description="API keys whose outputs the suffix cache holds (least recent out)"
+    )
     health_interval_s: float = Field(2.0, gt=0, description="seconds between worker health checks")
     dns_refresh_s: float = Field(
         30.0, ge=0, description="seconds between re-resolving worker names; 0 = never"
@@ -84,6 +94,12 @@ class GatewayOptions(BaseSettings):
     def loop_options(self) -> LoopOptions:
         adaptive = AdaptiveConfig(self.adaptive_knee_tokens) if self.adaptive_tree else None
         return LoopOptions(adaptive, self.overlap_draft)
+
+    def suffix_cache(self) -> SuffixCache | None:
+        """A fresh suffix cache, or None when it is off."""
+        if not self.suffix_cache_tokens:
+            return None
+        return SuffixCache(SuffixCacheConfig(self.suffix_cache_tokens, self.suffix_cache_tenants))
 
     @property
     def model_name(self) -> str:

@@ -194,7 +194,8 @@ class Speculation(Loop):
         room = worker.max_tree_nodes or 255
         spec = replace(spec, depth=spec.depth + 1, budget=min(2 * budget + 1, room))
         held = self.draft.held
-        call = ProposeCall(self.session_id, held, self.history[held:] + guess, spec)
+        tenant = self.state.plan.tenant
+        call = ProposeCall(self.session_id, held, self.history[held:] + guess, spec, tenant)
         task = asyncio.get_running_loop().create_task(worker.backend.propose(call))
         self.lookahead = Lookahead(len(self.history), guess, held, budget, task)
 

@@ -1,11 +1,14 @@
 """The model-free drafter: prompt lookup over each session's history.
 
-It answers the same `propose(calls) -> [TokenTree | Exception]` as
+With a suffix cache (workers/draft/suffix.py) it also copies from the recent
+outputs of other requests of the same tenant (`ProposeCall.tenant`). It
+answers the same `propose(calls) -> [TokenTree | Exception]` as
 `ModelDrafter` and loads no model, so the gateway can run it in-process.
 """
 
 from __future__ import annotations
 
+from workers.draft.suffix import SuffixCache
 from workers.engine.sessions import SessionTable
 from workers.protocol import ProposeCall, WorkerInfo
 from workers.speculation.ngram import ngram_tree
@@ -13,11 +16,18 @@ from workers.speculation.tree import TokenTree, check_tokens
 
 
 class NgramDrafter:
-    """Prompt lookup over each session's history; needs no model and no KV."""
+    """Prompt lookup over each session's history (and the tenant's cached outputs);
+    needs no model and no KV."""
 
-    def __init__(self, table: SessionTable, vocab_size: int | None = None):
+    def __init__(
+        self,
+        table: SessionTable,
+        vocab_size: int | None = None,
+        suffixes: SuffixCache | None = None,
+    ):
         self.table = table
         self.vocab_size = vocab_size
+        self.suffixes = suffixes  # None: the session's own history only
 
     def propose(self, calls: list[ProposeCall]) -> list[TokenTree | Exception]:
         results: list[TokenTree | Exception] = []
@@ -31,8 +41,16 @@ class NgramDrafter:
                     results.append(TokenTree.empty())
                 else:
                     history = synced.session.committed
-                    chain = spec.branching == 1
-                    tree = ngram_tree(history, depth=spec.depth, budget=spec.budget, chain=chain)
+                    shared = []
+                    if self.suffixes is not None:
+                        shared = self.suffixes.continuations(call.tenant, history, spec.depth)
+                    tree = ngram_tree(
+                        history,
+                        depth=spec.depth,
+                        budget=spec.budget,
+                        chain=spec.branching == 1,
+                        shared=shared,
+                    )
                     results.append(tree)
             except Exception as error:  # noqa: BLE001 - returned to that caller only
                 results.append(error)

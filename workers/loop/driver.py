@@ -194,7 +194,9 @@ class Loop:
             if worker is None:
                 break
             held = self.draft.held
-            call = ProposeCall(self.session_id, held, self.history[held:], spec)
+            call = ProposeCall(
+                self.session_id, held, self.history[held:], spec, self.state.plan.tenant
+            )
             try:
                 work = len(call.tokens) + spec.budget
                 tree = await self.route.call(worker, work, worker.backend.propose(call))

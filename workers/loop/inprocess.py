@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from workers.draft.ngram import NgramDrafter
+from workers.draft.suffix import SuffixCache
 from workers.engine.sessions import SessionTable
 from workers.loop.driver import Pair, generate
 from workers.loop.state import Generation, Plan, Round
@@ -146,9 +147,11 @@ class InProcessDraft(InProcessWorker):
         return await self.run(self.drafter.info)
 
 
-def local_ngram_draft(max_sessions: int) -> InProcessDraft:
-    """The in-gateway prompt-lookup draft: no thread, no model, no network hop."""
-    return InProcessDraft("gateway:ngram", NgramDrafter(SessionTable(max_sessions)), threaded=False)
+def local_ngram_draft(max_sessions: int, suffixes: SuffixCache | None = None) -> InProcessDraft:
+    """The in-gateway prompt-lookup draft: no thread, no model, no network hop; with a
+    suffix cache it also drafts from each tenant's earlier outputs."""
+    drafter = NgramDrafter(SessionTable(max_sessions), suffixes=suffixes)
+    return InProcessDraft("gateway:ngram", drafter, threaded=False)
 
 
 class InProcessFactory:

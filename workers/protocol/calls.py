@@ -44,6 +44,9 @@ class ProposeCall:
     base_len: int  # history length the caller believes the worker holds (0 = start over)
     tokens: list[int]  # committed since then, or the full history when base_len == 0
     spec: TreeSpec
+    # whose request (a hash of its API key; '' = no key): the in-gateway n-gram drafter
+    # also drafts from this tenant's earlier outputs. Not sent over gRPC.
+    tenant: str = ""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,10 @@ parent's votes that go through it; every level costs a factor COPY_PROB more
 (a copied run ends somewhere). So the most recent, best supported
 continuation forms the spine, and alternatives at early divergence points
 outrank the spine's deepest tokens.
+
+Continuations found elsewhere (the suffix cache of other requests' outputs,
+workers/draft/suffix.py) join the same trie with the votes SHARED_WEIGHT *
+RECENCY_DECAY ** rank, below the session's own matches of the same rank.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from workers.speculation.tree import TokenTree
 
 RECENCY_DECAY = 0.7  # vote of a match relative to the next more recent one
 COPY_PROB = 0.8  # chance that a copied run goes on for one more token
+SHARED_WEIGHT = 0.5  # vote of another request's continuation relative to the session's own
 
 
 def _continuations(
@@ -57,6 +62,7 @@ def ngram_tree(
     max_matches: int = 8,
     window: int = 4096,
     chain: bool = False,
+    shared: Sequence[Sequence[int]] = (),
 ) -> TokenTree:
     """Draft tree from up to ``max_matches`` earlier continuations of the history's suffix.
 
@@ -72,7 +78,10 @@ def ngram_tree(
       score, so every prefix of the numbering is closed under ancestors and
       elder siblings, and the numbering is topological;
     - ``chain``: only the spine (each kept node's best child), at most
-      ``budget`` tokens: the best single continuation, for a chain draft.
+      ``budget`` tokens: the best single continuation, for a chain draft;
+    - ``shared``: continuations of the same suffix found outside the history,
+      best first, merged into the trie with votes SHARED_WEIGHT * RECENCY_DECAY
+      ** rank (each cut to ``depth`` tokens).
     Returns the empty tree when nothing matches.
     """
     if not 1 <= min_ngram <= max_ngram:
@@ -84,19 +93,28 @@ def ngram_tree(
         )
     hist = history.tolist() if isinstance(history, torch.Tensor) else list(history)
     hist = hist[-window:]
-    if len(hist) < 2 or budget == 0:
+    if budget == 0:
         return TokenTree.empty()
-    conts = _continuations(hist, max_ngram, min_ngram, depth, max_matches)
-    if not conts:
+    own = _continuations(hist, max_ngram, min_ngram, depth, max_matches) if len(hist) >= 2 else []
+    voted = [(cont, RECENCY_DECAY**rank) for rank, cont in enumerate(own)]
+    voted += [
+        (list(cont[:depth]), SHARED_WEIGHT * RECENCY_DECAY**rank)
+        for rank, cont in enumerate(shared)
+        if len(cont)
+    ]
+    if not voted:
         return TokenTree.empty()
+    return _trie_tree(voted, budget, chain)
 
-    # trie over the continuations, each voting RECENCY_DECAY ** rank (rank 0: most recent)
+
+def _trie_tree(voted: list[tuple[list[int], float]], budget: int, chain: bool) -> TokenTree:
+    """The ``budget`` likeliest nodes of the trie over the voted continuations (see
+    `ngram_tree`)."""
     token: list[int] = []
     parent: list[int] = []
     votes: list[float] = []
     index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-    for rank, cont in enumerate(conts):
-        weight = RECENCY_DECAY**rank
+    for cont, weight in voted:
         at = -1
         for tok in cont:
             node = index.get((at, tok))
@@ -108,7 +126,7 @@ def ngram_tree(
                 votes.append(0.0)
             votes[node] += weight
             at = node
-    root_votes = sum(RECENCY_DECAY**rank for rank in range(len(conts)))
+    root_votes = sum(weight for _, weight in voted)
     # log P(reached) = sum over the path of log(COPY_PROB * votes(node) / votes(parent));
     # parents are made before their children, so their scores are ready
     score: list[float] = []

@@ -13,6 +13,7 @@ draft.py     `draft`: the figures of a distilled draft (bench/DRAFT.md)
 admission.py `admission`: more streams at once than `specsplit serve` holds (the queue)
 lossy.py     `lossy`: each lossy acceptance rule's speed and agreement with exact output
 prefill.py   `prefill`: running streams' inter-token latency while a long prompt arrives
+suffix.py    `suffix`: the suffix cache off vs on, on workloads that repeat across requests
 machine.py   the machine every kind reports, described once
 """
 
@@ -49,6 +50,10 @@ KINDS: Table = {
     "prefill": (
         "workers.tools.bench.prefill",
         "running streams' inter-token latency while a long prompt arrives (chunked prefill)",
+    ),
+    "suffix": (
+        "workers.tools.bench.suffix",
+        "the suffix cache off vs on: repeated questions, an agent's file edits",
     ),
 }
 
