@@ -29,7 +29,6 @@ from gateway.responses import Format, sse
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.settings import GatewaySettings
 from gateway.text import TokenText
-from workers.draft.suffix import SuffixCache
 from workers.loop.inprocess import InProcessFactory, local_ngram_draft
 from workers.protocol import BackendFactory
 
