@@ -45,7 +45,8 @@ class GenerationRequest:
     num_logprobs: int = -1
     affinity: str | None = None
     provenance: bool = False  # each delta says where its tokens came from
-    tenant: str = ""  # a hash of the request's API key ('' = none): its suffix cache
+    tenant: str | None = ""  # a hash of the request's API key ('' = none): its suffix cache;
+    # None: this request neither reads nor feeds it (a seeded sample)
 
     @property
     def choices(self) -> int:
@@ -182,8 +183,8 @@ class Generator:
             self.leave_choice(speculation, text, record)
 
     def leave_choice(self, speculation: Speculation, text: TextStream, record: Record) -> None:
-        if self.suffixes is not None:
-            plan = speculation.state.plan
+        plan = speculation.state.plan
+        if self.suffixes is not None and plan.tenant is not None:
             output = speculation.history[len(plan.prompt) :]
             self.suffixes.add(plan.tenant, plan.prompt, output)
         record.completion_tokens += len(text.tokens)

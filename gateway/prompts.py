@@ -93,7 +93,7 @@ def generation_request(
     stop_ids: frozenset[int],
     affinity: str | None,
     control: Control,
-    tenant: str = "",
+    tenant: str | None = "",
 ) -> GenerationRequest:
     """Checks the request's limits against the server's and the context's."""
     if request.n > options.max_n:

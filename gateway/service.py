@@ -215,6 +215,8 @@ class Gateway:
         default = next((m for m, p in pools.items() if p is self.router.drafts), "off")
         spec = control(body.speculation, s.tree_spec, default, set(pools), s.allow_lossy)
         tenant = getattr(request.state, "tenant", "")
+        if body.seed is not None and body.temperature != 0:
+            tenant = None  # a seeded sample drafts from itself only: same seed, same text
         return generation_request(body, prompts, s, context, frozenset(eos), affinity, spec, tenant)
 
     async def respond(

@@ -23,21 +23,23 @@ ASK = {"stream_options": {"include_provenance": True, "include_usage": True}}
 STATS = {"speculation_stats": True}
 
 
-# Fixed trees: greedy rounds, and so the chunks, are then the same in every run (adaptive
-# trees follow the acceptance of every earlier request).
+# Fixed trees and no suffix cache: greedy rounds, and so the chunks, are then the same in
+# every run (adaptive trees follow the acceptance of every earlier request, and the suffix
+# cache drafts from earlier outputs).
+FIXED = dict(adaptive_tree=False, suffix_cache_tokens=0)
 
 
 @pytest.fixture(scope="module")
 def model_client(tiny_dir, tiny_draft_dir):
     """A target and a draft worker with a model that the target often agrees with."""
     workers = [target(tiny_dir), model_draft(tiny_draft_dir)]
-    with live(tiny_dir, workers, adaptive_tree=False) as gateway:
+    with live(tiny_dir, workers, **FIXED) as gateway:
         yield OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
 def ngram_client(tiny_dir):
-    with live(tiny_dir, [target(tiny_dir)], adaptive_tree=False) as gateway:
+    with live(tiny_dir, [target(tiny_dir)], **FIXED) as gateway:
         yield OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
 
 

@@ -42,7 +42,7 @@ class NgramDrafter:
                 else:
                     history = synced.session.committed
                     shared = []
-                    if self.suffixes is not None:
+                    if self.suffixes is not None and call.tenant is not None:
                         shared = self.suffixes.continuations(call.tenant, history, spec.depth)
                     tree = ngram_tree(
                         history,

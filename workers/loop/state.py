@@ -28,7 +28,7 @@ class Plan:
     stop_ids: frozenset[int] = frozenset()  # tokens that end the generation (eos)
     num_logprobs: int = -1  # -1: none; k >= 0: each token's logprob and top k
     acceptance: AcceptanceRule = EXACT  # lossy rules only when the request opted in
-    tenant: str = ""  # whose request (see ProposeCall.tenant); '' = no API key
+    tenant: str | None = ""  # whose request (see ProposeCall.tenant); '' = no API key
 
     def __post_init__(self):
         if not self.prompt:

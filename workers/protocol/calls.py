@@ -45,8 +45,9 @@ class ProposeCall:
     tokens: list[int]  # committed since then, or the full history when base_len == 0
     spec: TreeSpec
     # whose request (a hash of its API key; '' = no key): the in-gateway n-gram drafter
-    # also drafts from this tenant's earlier outputs. Not sent over gRPC.
-    tenant: str = ""
+    # also drafts from this tenant's earlier outputs (None: not at all, a seeded sample).
+    # Not sent over gRPC.
+    tenant: str | None = ""
 
 
 @dataclass(frozen=True)
