@@ -210,12 +210,14 @@ class Batcher(Generic[C, R]):
         forward_ns = self._last_end_ns - start
         self.batches += 1
         self.largest = max(self.largest, len(batch))
+        tokens = sum(q.cost for q in batch)
         for q, result in zip(batch, results, strict=True):
             if q.future.done():
                 continue
             if isinstance(result, Exception):
                 q.future.set_exception(result)
             else:
-                q.future.set_result((result, Timings(start - q.arrived_ns, forward_ns, len(batch))))
+                timings = Timings(start - q.arrived_ns, forward_ns, len(batch), tokens)
+                q.future.set_result((result, timings))
         queue_ns = [start - q.arrived_ns for q in batch]
-        self.on_batch(BatchReport(len(batch), sum(q.cost for q in batch), queue_ns, forward_ns))
+        self.on_batch(BatchReport(len(batch), tokens, queue_ns, forward_ns))
