@@ -65,12 +65,15 @@ def write_tiny_model(path: Path, seed: int = 0, noise: float = 0.0) -> Path:
     return path
 
 
-def load_engine(path: Path, slots: int = 4) -> Engine:
-    return Engine.load(EngineConfig(model=str(path), max_sessions=slots, max_seq_len=256))
+def load_engine(path: Path, slots: int = 4, dtype: str = "float32") -> Engine:
+    config = EngineConfig(model=str(path), max_sessions=slots, max_seq_len=256, dtype=dtype)
+    return Engine.load(config)
 
 
-def target(path: Path, address: str = "t0", slots: int = 4) -> InProcessTarget:
-    engine = load_engine(path, slots)
+def target(
+    path: Path, address: str = "t0", slots: int = 4, dtype: str = "float32"
+) -> InProcessTarget:
+    engine = load_engine(path, slots, dtype)
     return InProcessTarget(address, TargetRunner(engine, SessionTable(slots)))
 
 
