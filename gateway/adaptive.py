@@ -1,31 +1,42 @@
-"""Adaptive speculation: each round's tree sized to the session's acceptance and the target's load.
+"""Adaptive speculation: each round's tree sized to the session's acceptance and the target's cost.
 
-A tree of N nodes buys expected accepted tokens and costs target compute.
+A tree of N nodes buys expected accepted tokens and costs target time.
 Both sides are estimated per round:
 
 - gain: a session's recent per-token acceptance rate alpha, estimated from
-  its last rounds (exponentially weighted). With a chain of depth D, a round
+  its last rounds (exponentially weighted). With a path of depth D, a round
   emits E(D) = (1 - alpha^(D+1)) / (1 - alpha) tokens on average (Leviathan
   et al. 2022: accepted draft tokens plus the bonus token).
-- cost: a round whose target forward takes n tokens lasts about a + b*n
+- cost: a round whose target batch feeds n tokens lasts a + b*n seconds
   (weights are read once, then compute grows with the tokens; the round's
-  network and gateway time adds to a). `knee_tokens` = a / b is the round's
-  fixed cost in tokens: about 30 for a 135M model on a 2-core CPU (forward of
-  1 token 23 ms, of 17 tokens 34 ms, plus ~5 ms of gRPC and gateway), hundreds
-  on a GPU (speed is flat in it: 20 to 48 move tokens/s by 1-3% in
-  simulation). The target batches the rounds of its S live sessions, so a
-  round in which every session feeds 1 + N tokens costs knee + S * (1 + N).
+  network and gateway time adds to a). Each target worker's a and b are
+  learnt online (`CostFit`) from what its Verify calls report: the tokens
+  its batch fed and the call's seconds (the gateway's wall time less the
+  time it queued on the worker). Before a target has answered, a / b is
+  `knee_tokens` (`--adaptive-knee-tokens`). The fit is an exponentially
+  weighted least-squares line, pulled towards that prior ratio with the
+  weight of `prior_weight` rounds, so rounds that all feed the same number
+  of tokens (which say nothing about the slope) keep the prior split. The
+  target batches the rounds of its S live sessions, so a round in which
+  every session feeds 1 + N(D) tokens (N(D): the tree's nodes at depth D)
+  costs a + b * S * (1 + N(D)), plus the draft's measured seconds per level
+  times D (a model draft expands the tree level by level; n-gram drafts
+  cost nothing).
 
-The depth maximises tokens per unit of target time, E(D) / (knee + S(1 + D)),
-over 0..max depth. The tree keeps the configured shape's nodes-per-level
-(budget / depth), so a wide tree narrows as it gets shallower. D = 0 turns
-speculation off for the round; every `probe_every`-th such round still
-drafts one level, so the estimate can recover when the text turns copyable.
+The depth maximises expected tokens per second of round time,
+E(D) / (a + b S (1 + N(D)) + D * level_s), over 0..max depth. The tree keeps
+the configured shape's nodes-per-level (budget / depth), so a wide tree
+narrows as it gets shallower. D = 0 turns speculation off for the round
+(it does not pay: a slow or compute-bound target, low acceptance, many
+sessions); every `probe_every`-th such round still drafts one level, so the
+estimate can recover when the text turns copyable.
 
 This is what vLLM's and TGI's fixed speculation lacks: at high load the
 forward is compute-bound, extra tree nodes cost as much as real tokens, and a
 fixed tree makes serving slower than plain decoding. Here the tree shrinks
-with S and with alpha, down to plain decoding.
+with S, with alpha and with the target's measured cost per token, down to
+plain decoding; and grows where a round's fixed cost dominates (a GPU, a
+slow network).
 
 Acceptance estimate: a round that accepted `a` tokens of a path `d` deep
 either stopped on a rejection (a < d) or used up the path (a == d, censored).
@@ -47,10 +58,12 @@ from workers.protocol import TreeSpec
 class AdaptiveConfig:
     """How trees adapt (gateway settings `--adaptive-*`)."""
 
-    knee_tokens: float = 32.0  # a round's fixed cost, in tokens fed (a / b)
+    knee_tokens: float = 32.0  # a round's fixed cost in tokens fed (a / b) until measured
     ewma: float = 0.3  # weight of the newest round in the acceptance estimate
     prior_rate: float = 0.8  # per-token acceptance assumed before the first round
     probe_every: int = 8  # with speculation off, draft one level every this many rounds
+    cost_ewma: float = 0.05  # weight of the newest round in a target's cost fit
+    prior_weight: float = 1.0  # rounds' worth of belief in knee_tokens once a target is measured
 
     def __post_init__(self):
         if self.knee_tokens < 0 or not 0 < self.ewma <= 1 or not 0 <= self.prior_rate < 1:
@@ -60,6 +73,75 @@ class AdaptiveConfig:
             )
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        if not 0 < self.cost_ewma <= 1 or self.prior_weight <= 0:
+            raise ValueError(
+                f"need 0 < cost_ewma <= 1, prior_weight > 0; got "
+                f"{self.cost_ewma}, {self.prior_weight}"
+            )
+
+
+@dataclass(frozen=True)
+class RoundCost:
+    """Seconds of one round: a + b * tokens the target's batch feeds + the draft's per level."""
+
+    fixed_s: float  # a: what a round costs whatever it feeds (weights, network, gateway)
+    token_s: float  # b: what each token fed adds
+    level_s: float = 0.0  # the draft's seconds per tree level (0: an n-gram draft)
+
+    @classmethod
+    def prior(cls, config: AdaptiveConfig) -> RoundCost:
+        """The unmeasured target, in units of one token's cost: a / b = knee_tokens."""
+        return cls(config.knee_tokens, 1.0)
+
+    def seconds(self, tokens: float, depth: int) -> float:
+        return self.fixed_s + self.token_s * tokens + self.level_s * depth
+
+
+@dataclass
+class CostFit:
+    """A target's round cost a + b*n, fitted online to (tokens fed, seconds) of its rounds.
+
+    Exponentially weighted least squares (the recursive form keeps five sums),
+    regularised towards the line through the data's mean with a / b =
+    knee_tokens: pseudo-rounds of total weight `prior_weight` on that line,
+    one token either side of the mean. They weigh like a fraction of one
+    round one token off the mean, so any spread in the rounds' sizes
+    outweighs them, and only rounds that all feed the same tokens keep the
+    prior's split of their cost.
+    """
+
+    weight: float = 0.0  # sum of w
+    tokens: float = 0.0  # sum of w * n
+    tokens2: float = 0.0  # sum of w * n^2
+    seconds: float = 0.0  # sum of w * t
+    product: float = 0.0  # sum of w * n * t
+
+    def observe(self, tokens: int, seconds: float, config: AdaptiveConfig) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        keep = 1.0 - config.cost_ewma
+        self.weight = keep * self.weight + 1.0
+        self.tokens = keep * self.tokens + tokens
+        self.tokens2 = keep * self.tokens2 + tokens * tokens
+        self.seconds = keep * self.seconds + seconds
+        self.product = keep * self.product + tokens * seconds
+
+    def line(self, config: AdaptiveConfig) -> RoundCost:
+        """The fitted cost; the prior (in token units) before any round."""
+        if self.weight <= 0:
+            return RoundCost.prior(config)
+        knee = config.knee_tokens
+        mean_n, mean_t = self.tokens / self.weight, self.seconds / self.weight
+        prior_b = mean_t / (knee + mean_n)  # the prior line through the data's mean
+        w, n, n2, t, nt = self.weight, self.tokens, self.tokens2, self.seconds, self.product
+        for pn in (mean_n - 1.0, mean_n + 1.0):
+            pw, pt = config.prior_weight / 2, prior_b * (knee + pn)
+            w, n, n2, t, nt = w + pw, n + pw * pn, n2 + pw * pn * pn, t + pw * pt, nt + pw * pn * pt
+        det = w * n2 - n * n  # > 0: the two pseudo-rounds differ in n
+        b = (w * nt - n * t) / det
+        a = (t - b * n) / w
+        b = max(b, 1e-3 * prior_b)  # a round never gets cheaper with more tokens
+        return RoundCost(max(a, 0.0), b)
 
 
 @dataclass
@@ -97,26 +179,39 @@ def expected_tokens(rate: float, depth: int) -> float:
     return (1.0 - rate ** (depth + 1)) / (1.0 - rate)
 
 
-def best_depth(rate: float, sessions: int, max_depth: int, knee_tokens: float) -> int:
-    """The depth with the most tokens per unit of target time (0 = no speculation)."""
+def tree_nodes(spec: TreeSpec, depth: int) -> int:
+    """Nodes of the configured tree's shape cut to `depth` levels (budget / depth per level)."""
+    if depth <= 0:
+        return 0
+    per_level = spec.budget / spec.depth
+    return max(depth, min(spec.budget, round(depth * per_level)))
+
+
+def best_depth(rate: float, sessions: int, spec: TreeSpec, cost: RoundCost) -> int:
+    """The depth with the most tokens per second of round time (0 = no speculation)."""
     s = max(1, sessions)
 
     def speed(d: int) -> float:
-        return expected_tokens(rate, d) / (knee_tokens + s * (1 + d))
+        return expected_tokens(rate, d) / cost.seconds(s * (1 + tree_nodes(spec, d)), d)
 
-    return max(range(max_depth + 1), key=lambda d: (speed(d), -d))  # ties: the shallower
+    return max(range(spec.depth + 1), key=lambda d: (speed(d), -d))  # ties: the shallower
 
 
 def adapt(
-    spec: TreeSpec, acceptance: Acceptance, sessions: int, config: AdaptiveConfig
+    spec: TreeSpec,
+    acceptance: Acceptance,
+    sessions: int,
+    cost: RoundCost,
+    config: AdaptiveConfig,
 ) -> TreeSpec | None:
     """This round's tree within `spec` (the largest allowed), or None for no speculation.
 
-    `sessions` is the number of live sessions on the target this session uses.
+    `sessions` is the number of live sessions on the target this session uses,
+    `cost` that target's round cost.
     """
     if spec.depth <= 0 or spec.budget <= 0:
         return None
-    depth = best_depth(acceptance.rate, sessions, spec.depth, config.knee_tokens)
+    depth = best_depth(acceptance.rate, sessions, spec, cost)
     if depth == 0:
         acceptance.rounds_off += 1
         if acceptance.rounds_off % config.probe_every:
@@ -124,6 +219,4 @@ def adapt(
         depth = 1  # a probe keeps the estimate alive
     else:
         acceptance.rounds_off = 0
-    per_level = spec.budget / spec.depth  # the configured shape's nodes per level
-    budget = max(depth, min(spec.budget, round(depth * per_level)))
-    return replace(spec, depth=depth, budget=budget)
+    return replace(spec, depth=depth, budget=tree_nodes(spec, depth))

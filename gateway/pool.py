@@ -29,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gateway.adaptive import CostFit
 from gateway.errors import APIError
 from gateway.hangs import CallTimes
 from gateway.metrics import Metrics
@@ -51,6 +52,7 @@ class Worker:
     picks: int = 0  # choices ever bound to it (breaks ties in least-loaded picks)
     ever_up: bool = False
     times: CallTimes = field(default_factory=CallTimes)  # its recent calls (gateway.hangs)
+    cost: CostFit = field(default_factory=CostFit)  # a target's round cost (gateway.adaptive)
 
     @property
     def serving(self) -> bool:

@@ -47,13 +47,14 @@ class GatewayOptions(BaseSettings):
     adaptive_tree: bool = Field(
         True,
         description="size each round's tree (within depth and budget) to the session's recent "
-        "acceptance and the target's live sessions; false = always the full tree",
+        "acceptance, the target's live sessions and its measured round cost, down to no "
+        "speculation where it does not pay; false = always the full tree",
     )
     adaptive_knee_tokens: float = Field(
         32.0,
         ge=0,
-        description="a target forward's fixed cost in tokens fed (about 30 for a small model "
-        "on CPU, hundreds on a GPU): how much a tree node costs next to a whole round",
+        description="a target round's fixed cost in tokens fed (a / b of its cost a + b*n) "
+        "assumed until its rounds are measured, and the ratio the online fit is pulled towards",
     )
     allow_lossy: bool = Field(
         False,

@@ -12,7 +12,8 @@ emit, re-sends after SessionLost); the gateway gives it:
 - `Speculation`, the Loop with the gateway's hooks. Two options change how
   trees are made, never what is committed:
   - adaptive trees (gateway.adaptive): each round's depth and budget follow
-    the session's recent acceptance and the target's live sessions;
+    the session's recent acceptance, the target's live sessions and its
+    round cost, learnt from each verify's tokens and seconds;
   - the overlapped loop (gateway.overlap): while round k is verified, the
     draft already proposes round k+1 after the guess that round k accepts
     the tree's spine; a right guess saves the round its propose.
@@ -26,7 +27,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from gateway.adaptive import Acceptance, AdaptiveConfig, adapt
+from gateway.adaptive import Acceptance, AdaptiveConfig, RoundCost, adapt
 from gateway.errors import APIError
 from gateway.hangs import Hung
 from gateway.metrics import Metrics
@@ -35,7 +36,15 @@ from gateway.pool import Pool, Router, Worker
 from workers.engine.sessions import common_prefix
 from workers.loop import Loop, LoopState, Plan
 from workers.loop.driver import ATTEMPTS
-from workers.protocol import InvalidCall, ProposeCall, Role, TreeSpec, WorkerBusy, WorkerError
+from workers.protocol import (
+    InvalidCall,
+    ProposeCall,
+    Role,
+    TreeSpec,
+    VerifyOutcome,
+    WorkerBusy,
+    WorkerError,
+)
 from workers.speculation.tree import TokenTree, depths, spine
 
 T = TypeVar("T")
@@ -137,6 +146,9 @@ class Speculation(Loop):
         self.recent = recent  # every session's rounds; a new session starts from it
         start = recent if recent is not None else Acceptance.prior(self.config)
         self.acceptance = replace(start, rounds_off=0)
+        self.level_s = 0.0  # the draft's recent seconds per tree level (exponentially weighted)
+        self.fed = 0  # tokens the last verify call fed (its history and tree, the root)
+        self.outcome: VerifyOutcome | None = None  # the last verify's, with the worker's timings
         self.lookahead: Lookahead | None = None
         self.phases = (0.0, 0.0)  # the last round's draft and verify seconds
 
@@ -149,8 +161,19 @@ class Speculation(Loop):
         params = self.state.plan.params
         if self.options.adaptive is None or (params.seed is not None and not params.greedy):
             return spec
-        load = self.target.worker.load if self.target.worker else 1
-        return adapt(spec, self.acceptance, load, self.options.adaptive)
+        return adapt(spec, self.acceptance, self.load, self.round_cost, self.options.adaptive)
+
+    @property
+    def load(self) -> int:
+        return self.target.worker.load if self.target.worker else 1
+
+    @property
+    def round_cost(self) -> RoundCost:
+        """The bound target's fitted round cost plus this session's draft time per level."""
+        worker = self.target.worker
+        if worker is None or worker.cost.weight <= 0:
+            return RoundCost.prior(self.config)  # unmeasured: in token units, draft time unknown
+        return replace(worker.cost.line(self.config), level_s=self.level_s)
 
     @property
     def expected_accepted(self) -> float:
@@ -204,7 +227,12 @@ class Speculation(Loop):
             await self.lookahead.cancel()
             self.lookahead = None
 
-    # --- metrics and acceptance ------------------------------------------------------------
+    # --- metrics, acceptance and cost ------------------------------------------------------
+
+    async def verify(self, tree: TokenTree) -> VerifyOutcome:
+        self.fed = len(self.history) - self.target.held + len(tree) + 1
+        self.outcome = await super().verify(tree)
+        return self.outcome
 
     @property
     def drafter(self) -> str | None:
@@ -219,6 +247,7 @@ class Speculation(Loop):
         if self.route.drafts:
             self.metrics.round_phase.labels("draft").observe(draft_s)
         self.metrics.round_phase.labels("verify").observe(verify_s)
+        self.observe_cost(verify_s)
         if len(tree):
             path_depth = int(depths(tree.parents).max())
             self.acceptance.observe(round_.accepted, path_depth, self.config)
@@ -226,9 +255,25 @@ class Speculation(Loop):
             # what exact rounds accepted
             if self.recent is not None and self.state.plan.acceptance.lossless:
                 self.recent.observe(round_.accepted, path_depth, self.config)
+            if not round_.degraded and not self.options.overlap:
+                self.level_s += self.config.ewma * (draft_s / path_depth - self.level_s)
         self.metrics.observe_round(
             round_.drafted, round_.accepted, round_.degraded, round_.prefix_hit
         )
+
+    def observe_cost(self, verify_s: float) -> None:
+        """Teaches the target's cost fit this round: its batch's tokens and seconds.
+
+        A served worker reports the tokens its batch fed and how long the call
+        queued; an in-process one reports nothing, so the call's own tokens and
+        wall time stand in.
+        """
+        worker, outcome = self.target.worker, self.outcome
+        if worker is None or outcome is None:
+            return
+        timings = outcome.timings
+        tokens = timings.batch_tokens or self.fed - outcome.prefix_hit
+        worker.cost.observe(tokens, verify_s - timings.queue_ns / 1e9, self.config)
 
     def after_emit(self, seconds: float) -> None:
         self.metrics.round_phase.labels("gateway").observe(seconds)

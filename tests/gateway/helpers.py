@@ -65,12 +65,15 @@ def write_tiny_model(path: Path, seed: int = 0, noise: float = 0.0) -> Path:
     return path
 
 
-def load_engine(path: Path, slots: int = 4) -> Engine:
-    return Engine.load(EngineConfig(model=str(path), max_sessions=slots, max_seq_len=256))
+def load_engine(path: Path, slots: int = 4, dtype: str = "float32") -> Engine:
+    config = EngineConfig(model=str(path), max_sessions=slots, max_seq_len=256, dtype=dtype)
+    return Engine.load(config)
 
 
-def target(path: Path, address: str = "t0", slots: int = 4) -> InProcessTarget:
-    engine = load_engine(path, slots)
+def target(
+    path: Path, address: str = "t0", slots: int = 4, dtype: str = "float32"
+) -> InProcessTarget:
+    engine = load_engine(path, slots, dtype)
     return InProcessTarget(address, TargetRunner(engine, SessionTable(slots)))
 
 
@@ -147,22 +150,28 @@ def live(model_dir: Path, backends: list, **kw) -> LiveGateway:
 
 
 class SlowTarget(InProcessTarget):
-    """A target that takes `delay` seconds per verify, so a test can act mid-stream;
-    setting `stall_s` makes its next verify take that much longer (a hang)."""
+    """A target that takes `delay` seconds per verify plus `token_delay` per token it feeds,
+    so a test can act mid-stream or see a costly target; setting `stall_s` makes its next
+    verify take that much longer (a hang)."""
 
     delay: float = 0.0
+    token_delay: float = 0.0
     stall_s: float = 0.0
 
     async def verify(self, call):
         stall, self.stall_s = self.stall_s, 0.0
-        await asyncio.sleep(self.delay + stall)
+        fed = len(call.tokens) + len(call.tree) + 1
+        await asyncio.sleep(self.delay + self.token_delay * fed + stall)
         return await super().verify(call)
 
 
-def slow_target(path: Path, address: str, delay: float, slots: int = 4) -> SlowTarget:
+def slow_target(
+    path: Path, address: str, delay: float, slots: int = 4, token_delay: float = 0.0
+) -> SlowTarget:
     engine = load_engine(path, slots)
     backend = SlowTarget(address, TargetRunner(engine, SessionTable(slots)))
     backend.delay = delay
+    backend.token_delay = token_delay
     return backend
 
 

@@ -1,4 +1,5 @@
-"""Adaptive speculation: the policy reacts to acceptance and load, and never changes output."""
+"""Adaptive speculation: the policy reacts to acceptance, load and the target's measured cost,
+and never changes output."""
 
 from __future__ import annotations
 
@@ -8,15 +9,19 @@ from openai import OpenAI
 from gateway.adaptive import (
     Acceptance,
     AdaptiveConfig,
+    CostFit,
+    RoundCost,
     adapt,
     best_depth,
     expected_tokens,
 )
-from tests.gateway.helpers import MODEL, live, model_draft, target
+from tests.gateway.helpers import MODEL, live, model_draft, slow_target, target
 from workers.protocol import TreeSpec
 
 CONFIG = AdaptiveConfig(knee_tokens=20.0, ewma=0.3, prior_rate=0.8, probe_every=4)
 SPEC = TreeSpec(depth=12, branching=2, budget=24)
+CHAIN = TreeSpec(depth=16, branching=1, budget=16)
+KNEE_20 = RoundCost(20.0, 1.0)
 
 
 def test_expected_tokens_is_the_geometric_sum():
@@ -41,29 +46,67 @@ def test_acceptance_estimate_follows_the_rounds():
 
 
 def test_depth_grows_with_acceptance_and_shrinks_with_load():
-    depths = [best_depth(rate, 1, 16, 20.0) for rate in (0.1, 0.5, 0.8, 0.95)]
+    depths = [best_depth(rate, 1, CHAIN, KNEE_20) for rate in (0.1, 0.5, 0.8, 0.95)]
     assert depths == sorted(depths) and depths[0] < depths[-1]
-    by_load = [best_depth(0.8, s, 16, 20.0) for s in (1, 4, 8, 16, 64)]
+    by_load = [best_depth(0.8, s, CHAIN, KNEE_20) for s in (1, 4, 8, 16, 64)]
     assert by_load == sorted(by_load, reverse=True) and by_load[0] > by_load[-1]
-    assert best_depth(0.3, 16, 16, 20.0) == 0  # poor acceptance at high load: plain decoding
-    assert best_depth(0.99, 1, 6, 20.0) == 6  # never past the configured depth
-    assert best_depth(0.8, 16, 16, 2000.0) > best_depth(0.8, 16, 16, 20.0)  # GPU-like knee
+    assert best_depth(0.3, 16, CHAIN, KNEE_20) == 0  # poor acceptance at high load: plain decoding
+    assert best_depth(0.99, 1, TreeSpec(6, 1, 6), KNEE_20) == 6  # never past the configured depth
+    gpu_like = RoundCost(2000.0, 1.0)
+    assert best_depth(0.8, 16, CHAIN, gpu_like) > best_depth(0.8, 16, CHAIN, KNEE_20)
+
+
+def test_a_tree_costs_its_nodes_and_a_draft_its_levels():
+    # the same depth is dearer as a 2-wide tree than as a chain, and a slow draft shortens it
+    wide = TreeSpec(depth=16, branching=2, budget=32)
+    assert best_depth(0.8, 4, wide, KNEE_20) < best_depth(0.8, 4, CHAIN, KNEE_20)
+    slow_draft = RoundCost(20.0, 1.0, level_s=10.0)
+    assert best_depth(0.8, 1, CHAIN, slow_draft) < best_depth(0.8, 1, CHAIN, KNEE_20)
 
 
 def test_adapt_keeps_the_shape_within_the_configured_tree():
     acceptance = Acceptance(accepted=0.95, rejected=0.05)
-    full = adapt(SPEC, acceptance, 1, CONFIG)
+    full = adapt(SPEC, acceptance, 1, KNEE_20, CONFIG)
     assert full.depth <= SPEC.depth and full.budget <= SPEC.budget
     assert full.budget == max(full.depth, round(full.depth * SPEC.budget / SPEC.depth))
-    loaded = adapt(SPEC, acceptance, 16, CONFIG)
+    loaded = adapt(SPEC, acceptance, 16, KNEE_20, CONFIG)
     assert loaded.depth < full.depth and loaded.budget < full.budget
     assert loaded.branching == SPEC.branching
-    assert adapt(TreeSpec(depth=0), acceptance, 1, CONFIG) is None
+    assert adapt(TreeSpec(depth=0), acceptance, 1, KNEE_20, CONFIG) is None
+
+
+def test_the_cost_fit_learns_a_line_and_keeps_the_prior_split_without_spread():
+    fit = CostFit()
+    assert fit.line(CONFIG) == RoundCost.prior(CONFIG)
+    for n in [1, 17, 5, 130, 9, 1, 33] * 20:  # rounds of many sizes: the data decides
+        fit.observe(n, 0.030 + 0.001 * n, CONFIG)
+    line = fit.line(CONFIG)
+    assert line.fixed_s == pytest.approx(0.030, rel=0.05)
+    assert line.token_s == pytest.approx(0.001, rel=0.05)
+    same = CostFit()
+    for _ in range(50):  # every round feeds 17 tokens: the slope is not observable
+        same.observe(17, 0.037, CONFIG)
+    line = same.line(CONFIG)
+    assert line.seconds(17, 0) == pytest.approx(0.037, rel=0.01)
+    assert line.fixed_s / line.token_s == pytest.approx(CONFIG.knee_tokens, rel=0.01)
+
+
+def test_the_cost_fit_follows_a_target_that_changes():
+    fit = CostFit()
+    for n in [1, 17, 3, 9] * 30:  # fixed cost dominates: knee far above the prior's 20
+        fit.observe(n, 0.100 + 0.0002 * n, CONFIG)
+    cheap_tokens = fit.line(CONFIG)
+    assert cheap_tokens.fixed_s / cheap_tokens.token_s > 100
+    for n in [1, 17, 3, 9] * 30:  # now every token costs: the knee falls below 1
+        fit.observe(n, 0.002 + 0.005 * n, CONFIG)
+    dear_tokens = fit.line(CONFIG)
+    assert dear_tokens.fixed_s / dear_tokens.token_s < 1
+    assert best_depth(0.6, 1, SPEC, dear_tokens) < best_depth(0.6, 1, SPEC, cheap_tokens)
 
 
 def test_speculation_backs_off_and_probes():
     acceptance = Acceptance(accepted=0.05, rejected=0.95)
-    specs = [adapt(SPEC, acceptance, 16, CONFIG) for _ in range(8)]
+    specs = [adapt(SPEC, acceptance, 16, KNEE_20, CONFIG) for _ in range(8)]
     probes = [s for s in specs if s is not None]
     assert len(probes) == 2  # every probe_every-th round drafts one level
     assert all(s.depth == 1 for s in probes)
@@ -116,3 +159,31 @@ def test_a_new_session_starts_from_the_recent_acceptance():
     speculation = Speculation(Router(), plan, Metrics(), None, 0, LoopOptions(CONFIG), recent)
     assert speculation.acceptance.rate == pytest.approx(0.1)
     assert speculation.acceptance is not recent and speculation.acceptance.rounds_off == 0
+
+
+def drafted_per_round(tiny_dir, tiny_draft_dir, delay: float, token_delay: float) -> float:
+    """Tree nodes per verify round of one greedy reply through a target with that delay."""
+    slow = slow_target(tiny_dir, "t0", delay, token_delay=token_delay)
+    with live(tiny_dir, [slow, model_draft(tiny_draft_dir)], tree_depth=6) as gateway:
+        client = OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+        reply = client.completions.create(
+            model=MODEL,
+            prompt="one two three one two three one two three one",
+            max_tokens=48,
+            temperature=0,
+            extra_body={"speculation_stats": True},
+        )
+    stats = reply.model_extra["speculation_stats"]
+    return stats["draft_tokens"] / stats["verify_steps"], reply.choices[0].text
+
+
+def test_the_measured_cost_shrinks_trees_on_a_slow_target_and_grows_them_on_a_fast_one(
+    tiny_dir, tiny_draft_dir
+):
+    # every token fed costs 20 ms (a compute-bound target): once measured, a tree does not
+    # pay; only the first rounds (before the fit has seen rounds of two sizes) and probes draft
+    dear, dear_text = drafted_per_round(tiny_dir, tiny_draft_dir, 0.0, 0.020)
+    # 50 ms per round whatever it feeds (a slow network, a GPU): the full 16-node tree pays
+    cheap, cheap_text = drafted_per_round(tiny_dir, tiny_draft_dir, 0.050, 0.0)
+    assert dear_text == cheap_text
+    assert dear < 2.0 and cheap > 12.0

@@ -108,27 +108,62 @@ class Rotary(nn.Module):
         return cos, sin
 
 
+def fuse(*linears: nn.Linear) -> nn.Linear:
+    """One linear layer computing several that read the same input: outputs side by side.
+
+    A decode step feeds a few rows, where each matrix product's fixed cost
+    (dispatch, packing, threads) outweighs its arithmetic: one product for
+    q/k/v (and one for gate/up) instead of three (two) saves that cost.
+    """
+    weight = torch.cat([lin.weight.detach() for lin in linears])  # (sum out, in)
+    biased = any(lin.bias is not None for lin in linears)
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=biased, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if biased:
+        biases = [
+            lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features)
+            for lin in linears
+        ]
+        fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)  # (sum out,)
+    return fused
+
+
 class Block(nn.Module):
     """One decoder layer over the weights of a transformers decoder layer."""
 
     def __init__(self, hf_layer, shape: LlamaShape, index: int):
         super().__init__()
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
-        self.q_proj, self.k_proj = attn.q_proj, attn.k_proj
-        self.v_proj, self.o_proj = attn.v_proj, attn.o_proj
-        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.qkv_proj = fuse(attn.q_proj, attn.k_proj, attn.v_proj)  # E -> (H + 2 Hkv) D
+        self.o_proj = attn.o_proj
+        self.gate_up_proj = fuse(mlp.gate_proj, mlp.up_proj)  # E -> 2F (F: MLP width)
+        self.down_proj = mlp.down_proj
         self.norm_attn = hf_layer.input_layernorm.weight
         self.norm_mlp = hf_layer.post_attention_layernorm.weight
         self.shape = shape
         self.index = index
 
+    def project_qkv(self, x: torch.Tensor):
+        # x: (N, E) -> q: (N, H, D), k, v: (N, Hkv, D)
+        s = self.shape
+        n, q_width, kv_width = x.shape[0], s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q, k, v = self.qkv_proj(x).split([q_width, kv_width, kv_width], dim=-1)
+        return (
+            q.view(n, s.num_heads, s.head_dim),
+            k.view(n, s.num_kv_heads, s.head_dim),
+            v.view(n, s.num_kv_heads, s.head_dim),
+        )
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        # h: (N, E) -> (N, E): SwiGLU, down(silu(gate(h)) * up(h))
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # (N, F) each
+        return self.down_proj(F.silu(gate) * up)
+
     def attention(self, x, cos, sin, cache: PagedKVCache, batch: ForwardBatch):
         # x: (N, E) -> (N, E); cos, sin: (N, 1, D)
         s = self.shape
         n = x.shape[0]
-        q = self.q_proj(x).view(n, s.num_heads, s.head_dim)  # (N, H, D)
-        k = self.k_proj(x).view(n, s.num_kv_heads, s.head_dim)  # (N, Hkv, D)
-        v = self.v_proj(x).view(n, s.num_kv_heads, s.head_dim)  # (N, Hkv, D)
+        q, k, v = self.project_qkv(x)  # (N, H, D), (N, Hkv, D), (N, Hkv, D)
         q = q * cos + rotate_half(q) * sin
         cache.write(self.index, batch, k * cos + rotate_half(k) * sin, v)
         if len(batch.groups) == 1:  # every row feeds as many tokens: attend to all at once
@@ -153,8 +188,7 @@ class Block(nn.Module):
         # x: (N, E) -> (N, E)
         eps = self.shape.rms_norm_eps
         x = x + self.attention(rms_norm(x, self.norm_attn, eps), cos, sin, cache, batch)
-        h = rms_norm(x, self.norm_mlp, eps)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x + self.mlp(rms_norm(x, self.norm_mlp, eps))
 
 
 class NativeLlama(nn.Module):

@@ -24,7 +24,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 PACK_ROWS_HINT = 16  # the row count oneDNN tunes the layout for (any count works)
-LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a Block's linear layers
 
 
 class PackedLinear(nn.Module):

@@ -231,12 +231,14 @@ class Batcher(Generic[C, R]):
             self._queued_cost += q.cost
         if again:
             self._ready.set()
+        tokens = sum(q.cost for q in batch)
         for q, result in zip(batch, results, strict=True):
             if q.future.done() or result is UNFINISHED:
                 continue
             if isinstance(result, Exception):
                 q.future.set_exception(result)
             else:
-                q.future.set_result((result, Timings(start - q.arrived_ns, forward_ns, len(batch))))
+                timings = Timings(start - q.arrived_ns, forward_ns, len(batch), tokens)
+                q.future.set_result((result, timings))
         queue_ns = [start - q.arrived_ns for q in batch]
-        self.on_batch(BatchReport(len(batch), sum(q.cost for q in batch), queue_ns, forward_ns))
+        self.on_batch(BatchReport(len(batch), tokens, queue_ns, forward_ns))

@@ -116,11 +116,16 @@ def spec_from_proto(msg: pb.TreePolicy) -> TreeSpec:
 
 
 def timings_to_proto(t: Timings) -> pb.Timings:
-    return pb.Timings(queue_ns=t.queue_ns, forward_ns=t.forward_ns, batch_size=t.batch_size)
+    return pb.Timings(
+        queue_ns=t.queue_ns,
+        forward_ns=t.forward_ns,
+        batch_size=t.batch_size,
+        batch_tokens=t.batch_tokens,
+    )
 
 
 def timings_from_proto(msg: pb.Timings) -> Timings:
-    return Timings(msg.queue_ns, msg.forward_ns, msg.batch_size)
+    return Timings(msg.queue_ns, msg.forward_ns, msg.batch_size, msg.batch_tokens)
 
 
 def _session_id(msg) -> str:

@@ -170,13 +170,14 @@ def stochastic_verify(
     rule is exact for any candidate set.
     """
     _check_logits(tree, logits)
-    probs = target_probs(logits, params)  # (N+1, V)
     kids = children(tree.parents)
     tokens = tree.tokens.tolist()
     node = -1  # the root
     accepted: list[int] = []
     while True:
-        p = probs[node + 1]  # (V,) target distribution after the current node
+        # (V,) target distribution after the current node: only the rows the walk visits
+        # (the accepted path and the bonus's parent) pay the vocabulary-wide softmax/top-p
+        p = target_probs(logits[node + 1], params)
         rejected: list[int] = []
         for child in kids[node + 1]:
             x = tokens[child]

@@ -8,6 +8,10 @@ Runs, on the same prompts and the same machine:
 and prints tokens/s, the ratio to transformers `generate`, and the mean
 number of tokens each target forward produced. Greedy outputs are checked to
 be identical across all SpecSplit rows and transformers.
+
+Then, for each of `--dtypes`, the cost of one native forward for the shapes
+a serving round feeds (bench/forward.py): 1 token, a 17-token tree, 8
+sessions x 1 token, a 130-token prefill.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from workers.protocol import TreeSpec
 from workers.settings import EMBEDDED_MODEL, parse, settings_config
 from workers.speculation.sampling import SamplingParams
 from workers.target.runner import TargetRunner
+from workers.tools.bench.forward import forward_costs
 from workers.tools.bench.machine import describe
 from workers.tools.bench.workloads import TEXTS
 
@@ -43,6 +48,8 @@ class EngineBenchSettings(BaseSettings):
     target_model: str = Field(EMBEDDED_MODEL, description="the model to benchmark")
     max_tokens: int = Field(96, ge=1, description="new tokens per prompt")
     prompts: int = Field(3, ge=1, le=len(TEXTS), description="how many prompts to run")
+    dtypes: str = Field("float32,bfloat16", description="comma list: dtypes of the forward costs")
+    threads: int = Field(0, ge=0, description="torch threads; 0 = torch's default")
     out: Path = Field(Path("bench/results"), description="where the Markdown table goes")
 
 
@@ -124,9 +131,29 @@ def run_engine_bench(s: EngineBenchSettings) -> str:
     return "\n".join(lines)
 
 
+def forward_table(s: EngineBenchSettings) -> str:
+    """Milliseconds of one native forward per shape and dtype."""
+    costs = {}
+    for dtype in [d.strip() for d in s.dtypes.split(",") if d.strip()]:
+        engine = Engine.load(EngineConfig(s.target_model, dtype=dtype, max_sessions=8))
+        costs[dtype] = forward_costs(engine)
+    shapes = list(next(iter(costs.values())))
+    lines = [
+        f"One native forward, median ms ({torch.get_num_threads()} torch threads):",
+        "",
+        "| dtype | " + " | ".join(shapes) + " |",
+        "|---|" + "---:|" * len(shapes),
+    ]
+    for dtype, ms in costs.items():
+        lines.append(f"| {dtype} | " + " | ".join(f"{ms[k]:.1f}" for k in shapes) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
     s = parse(EngineBenchSettings, argv)
-    table = run_engine_bench(s)
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    table = run_engine_bench(s) + "\n\n" + forward_table(s)
     print(table)
     s.out.mkdir(parents=True, exist_ok=True)
     (s.out / "engine.md").write_text(table + "\n")

@@ -155,12 +155,13 @@ def workloads(s) -> str:
     described = {
         "grounded": f"{s.prompts} input-grounded prompts",
         "humaneval": f"the first {s.humaneval} HumanEval problems",
+        "chat": f"{s.prompts} everyday chat questions",
     }
     return ", ".join(described[w] for w in s.names(s.workloads))
 
 
 def sweep_streams(run: Run) -> list[int]:
-    return sorted({r.streams for r in run.results if r.workload == "grounded"})
+    return sorted({r.streams for r in run.results if r.workload == run.settings.sweep_workload})
 
 
 def sweep_point(run: Run, row: str, streams: int) -> float | None:
@@ -168,7 +169,7 @@ def sweep_point(run: Run, row: str, streams: int) -> float | None:
         (
             r
             for r in run.results
-            if r.row == row and r.workload == "grounded" and r.streams == streams
+            if r.row == row and r.workload == run.settings.sweep_workload and r.streams == streams
         ),
         None,
     )
@@ -209,7 +210,8 @@ def markdown(run: Run) -> str:
     if rows and len(points) > 1:
         lines += [
             "",
-            "## Concurrency sweep (grounded): aggregate tok/s (× speculation off at that point)",
+            f"## Concurrency sweep ({s.sweep_workload}): aggregate tok/s "
+            "(× speculation off at that point)",
             "",
             "| row | " + " | ".join(f"{n} streams" for n in points) + " | 8 vs 1 |",
             "|---|" + "---:|" * (len(points) + 1),
@@ -260,7 +262,7 @@ def plot(run: Run, path: Path) -> None:
     right.set_xlabel("concurrent streams")
     right.set_ylabel("aggregate tokens/s")
     right.set_xticks(points)
-    right.set_title("Concurrency sweep, grounded workload")
+    right.set_title(f"Concurrency sweep, {run.settings.sweep_workload} workload")
     if swept:
         right.legend()
     fig.suptitle(f"specsplit bench: {run.machine}", fontsize=9)

@@ -64,7 +64,9 @@ class BenchSettings(BaseSettings):
         "else the target's first 8 layers",
     )
     rows: str = Field("all", description="comma list of rows (see the module doc), or all")
-    workloads: str = Field("grounded,humaneval", description="comma list: grounded, humaneval")
+    workloads: str = Field(
+        "grounded,humaneval", description="comma list: grounded, humaneval, chat"
+    )
     prompts: int = Field(8, ge=1, description="input-grounded prompts")
     humaneval: int = Field(4, ge=1, le=164, description="HumanEval problems (the first N)")
     max_tokens: int = Field(96, ge=1, description="most new tokens per request")
@@ -72,6 +74,7 @@ class BenchSettings(BaseSettings):
     sweep_rows: str = Field(
         "off,ngram-tree,ngram-tree-adaptive", description="rows swept over --streams"
     )
+    sweep_workload: str = Field("grounded", description="the workload swept over --streams")
     ngram_depth: int = Field(16, ge=1, description="n-gram tree/chain depth")
     ngram_budget: int = Field(16, ge=1, description="n-gram tree nodes (the chain's depth too)")
     model_depth: int = Field(4, ge=1, description="model-draft tree depth")
@@ -156,7 +159,7 @@ def run_suite(s: BenchSettings) -> Run:
     )
     run = Run(s, describe(), draft_words, load_average())
     workloads = {
-        w: messages(w, s.prompts if w == "grounded" else s.humaneval) for w in s.names(s.workloads)
+        w: messages(w, s.humaneval if w == "humaneval" else s.prompts) for w in s.names(s.workloads)
     }
     hf_rows = [r for r in rows if r in HF_ROWS]
     if hf_rows:  # the reference first: hf-generate is the text every row must match
@@ -251,10 +254,10 @@ def run_serve(run: Run, config: ServeConfig, workloads, draft_dir, tokenizer) ->
         )
         for workload in workloads:
             measure(workload, 1)
-        if sweep and "grounded" in workloads:
+        if sweep and s.sweep_workload in workloads:
             for n in streams:
                 if n != 1:  # one stream is the row measured above
-                    measure("grounded", n)
+                    measure(s.sweep_workload, n)
 
 
 def _ms(seconds: float | None) -> float | None:

