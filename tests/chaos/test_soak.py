@@ -104,6 +104,7 @@ def run(url: str, requests: list[Request]) -> list[str | Exception]:
 
 @pytest.mark.slow
 @pytest.mark.embedded
+@pytest.mark.timeout(1800)  # 149 s at load average 3 to 8; past the default 600 s at 13
 def test_soak_of_mixed_requests_leaves_nothing_and_memory_flat(tmp_path):
     serve = Serve(tmp_path)
     serve.wait_ready()

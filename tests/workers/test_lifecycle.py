@@ -130,6 +130,6 @@ def test_a_worker_dies_with_its_parent():
     worker = int(parent.stdout.readline())
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
-    wait_until(lambda: not alive(worker), 30, "the worker to end with its parent")
+    wait_until(lambda: not alive(worker), 120, "the worker to end with its parent")
     orphan = subprocess.run([sys.executable, "-c", child.format(parent.pid)], cwd=ROOT, timeout=60)
     assert orphan.returncode == -signal.SIGTERM
