@@ -71,7 +71,11 @@ class ServeSettings(GatewayOptions, EngineOptions):
     )
     targets: int = Field(1, ge=1, description="target worker processes")
     drafts: int = Field(1, ge=1, description="draft worker processes (with a draft model)")
-    worker_max_sessions: int = Field(64, ge=1, description="sessions each worker holds at once")
+    worker_max_sessions: int = Field(
+        WorkerSettings.model_fields["max_sessions"].default,
+        ge=1,
+        description="sessions each worker holds at once",
+    )
     worker_kv_tokens: int = Field(
         WorkerSettings.model_fields["kv_tokens"].default,
         ge=1,
