@@ -64,6 +64,11 @@ class Worker:
         return self.info.max_tree_nodes if self.info else 0
 
     @property
+    def feature_size(self) -> int:
+        """A feature draft: the width of the target states it feeds on; else 0."""
+        return self.info.feature_size if self.info else 0
+
+    @property
     def capacity(self) -> float:
         sessions = self.info.max_sessions if self.info else 0
         return sessions if sessions > 0 else math.inf

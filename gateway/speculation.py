@@ -206,6 +206,8 @@ class Speculation(Loop):
         gateway.overlap): after the history plus the tree's spine, one level deeper."""
         if not self.options.overlap or not len(tree) or self.draft.worker is None:
             return
+        if self.draft.worker.feature_size:  # it feeds on this verify's states: none yet
+            return
         guess = spine(tree)[: round(self.expected_accepted)]
         if self.state.remaining - len(guess) - 1 <= 1:
             return  # the next round, if any, wants no draft

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 
 from tests.workers.helpers import draft_worker, target_worker
 from workers.draft.ngram import NgramDrafter
-from workers.draft.runner import ModelDrafter
+from workers.draft.features import model_drafter
 from workers.engine.engine import Engine
 from workers.engine.sessions import SessionTable
 from workers.loop import Generation, Pair, Plan, generate
@@ -29,7 +29,7 @@ NGRAM = "ngram"
 def drafter(draft: Engine | str):
     if draft == NGRAM:
         return NgramDrafter(SessionTable(8))
-    return ModelDrafter(draft, SessionTable(draft.num_slots))
+    return model_drafter(draft, SessionTable(draft.num_slots))
 
 
 @asynccontextmanager

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerFast
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from tests.engine.tiny import tiny_hf_model
-from workers.draft.runner import ModelDrafter
+from workers.draft.features import model_drafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
 from workers.loop.inprocess import InProcessDraft, InProcessFactory, InProcessTarget
@@ -79,7 +79,7 @@ def target(
 
 def model_draft(path: Path, address: str = "d0", slots: int = 4) -> InProcessDraft:
     engine = load_engine(path, slots)
-    return InProcessDraft(address, ModelDrafter(engine, SessionTable(slots)))
+    return InProcessDraft(address, model_drafter(engine, SessionTable(slots)))
 
 
 def settings(model_dir: Path, targets: list[str], drafts: list[str] = (), **kw) -> GatewaySettings:

@@ -5,7 +5,9 @@ forward per level for all sessions in the batch. The nodes it fed stay in
 its KV cache; next round, the part of them that the target accepted is kept
 (compacted) and the rest is overwritten. It shares its interface,
 `propose(calls) -> [TokenTree | Exception]`, with the model-free
-`NgramDrafter` (workers/draft/ngram.py).
+`NgramDrafter` (workers/draft/ngram.py) and the feature drafter built on it,
+`FeatureDrafter` (workers/draft/features.py), which overrides the hooks
+`reuse` (what of last round's region to keep) and `forward` (one level).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class Expansion:
     region_of: dict[int, int] = field(default_factory=dict)  # builder node -> region offset
     parent_of: dict[int, int] = field(default_factory=dict)  # builder node -> its parent
     plan: dict[int, int] = field(default_factory=dict)  # node to expand -> children
+    # feature drafts: builder node -> the state the head predicted after it (-1 = the root)
+    features: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def absorb(engine: Engine, session: Session) -> None:
@@ -67,7 +71,7 @@ class ModelDrafter:
         check_tokens(call.tokens, self.engine.vocab_size)
         synced = self.table.sync(call.session_id, call.base_len, call.tokens, busy, rollback=True)
         session = synced.session
-        absorb(self.engine, session)
+        self.reuse(session)
         if session.cached == len(session.committed):  # the root must be fed for its logits
             session.cached -= 1
         spec = call.spec
@@ -100,8 +104,7 @@ class ModelDrafter:
                 results[i] = error
         level = 0
         while active:
-            rows = [self.row(x) for _, x in active]
-            logits = self.engine.forward(rows)
+            logits = self.forward([x for _, x in active])
             still = []
             for (i, x), out in zip(active, logits, strict=True):
                 x.session.region_fed = len(x.session.region_tokens)
@@ -117,6 +120,14 @@ class ModelDrafter:
                     results[i] = x.policy.build(x.builder) if len(x.builder) else TokenTree.empty()
             active, level = still, level + 1
         return results  # type: ignore[return-value]
+
+    def reuse(self, session: Session) -> None:
+        """Keeps what last round's region has on the committed path."""
+        absorb(self.engine, session)
+
+    def forward(self, expansions: list[Expansion]) -> list[torch.Tensor]:
+        """One level for every expansion: logits (len(plan), V) each, in plan order."""
+        return self.engine.forward([self.row(x) for x in expansions])
 
     def row(self, x: Expansion) -> SlotInput:
         """Feeds the nodes to expand (the pending tokens at level 0)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from workers.engine.batch import SlotInput, build_batch
+from workers.engine.eagle import EagleHead, draft_kind, load_fuse
 from workers.engine.kv_cache import PagedKVCache
 from workers.engine.llama import NativeLlama
 from workers.engine.packed import pack_linears
@@ -41,6 +42,14 @@ class EngineConfig:
     cache_dir: Path | None = None  # model cache; None = $SPECSPLIT_MODEL_CACHE or ~/.cache
 
 
+@dataclass(frozen=True)
+class Forward:
+    """What one forward gives each row."""
+
+    logits: list[torch.Tensor]  # (logits_for_b, V) float32 per row: its trailing tokens'
+    hidden: list[torch.Tensor]  # (T_b, E) per row: each fed token's state before the final norm
+
+
 @dataclass
 class Engine:
     model: NativeLlama
@@ -59,11 +68,18 @@ class Engine:
         path = resolve_model(config.model, config.cache_dir)
         dtype = DTYPES[config.dtype]
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(config.device).eval()
-        return cls.from_hf(hf, load_tokenizer(path), config, model_id=config.model)
+        head = None
+        if draft_kind(path) == "eagle":
+            head = load_fuse(path, dtype, config.device)
+        return cls.from_hf(hf, load_tokenizer(path), config, model_id=config.model, fuse=head)
 
     @classmethod
-    def from_hf(cls, hf_model, tokenizer, config: EngineConfig, model_id: str) -> Engine:
-        model = NativeLlama(hf_model).eval()
+    def from_hf(
+        cls, hf_model, tokenizer, config: EngineConfig, model_id: str, fuse=None
+    ) -> Engine:
+        """An engine over a transformers model; with `fuse` (an EAGLE head's E*2 -> E linear,
+        workers/engine/eagle.py) the model is that head's one layer, fed target states."""
+        model = (NativeLlama(hf_model) if fuse is None else EagleHead(hf_model, fuse)).eval()
         if config.pack_weights:
             pack_linears(model)
         shape = model.shape
@@ -117,21 +133,34 @@ class Engine:
             max_tree_nodes=max_tree_nodes,
             kv_tokens=self.cache.capacity_tokens,
             kv_tokens_used=self.cache.used_tokens,
+            feature_size=self.model.shape.hidden_size
+            if role == "target" or self.model.takes_features
+            else 0,
         )
 
-    @torch.inference_mode()
     def forward(self, rows: list[SlotInput]) -> list[torch.Tensor]:
         """Runs one forward over several slots; returns logits (logits_for_b, V) per row.
         Takes the KV blocks a row still lacks (OutOfBlocks if the pool is short)."""
+        return self.run(rows).logits
+
+    @torch.inference_mode()
+    def run(self, rows: list[SlotInput], features: torch.Tensor | None = None) -> Forward:
+        """`forward`, also returning every fed token's hidden state. `features` (N, E), the
+        rows' tokens in order: the target states a feature draft pairs them with."""
         for r in rows:
             self.cache.reserve(r.slot, r.prefix_len + len(r.parents))
         batch = build_batch(rows, self.cache, self.device)
-        hidden = self.model.hidden(self.cache, batch)  # (N, E)
+        if features is not None:
+            features = features.to(self.device, next(self.model.parameters()).dtype)
+        hidden = self.model.hidden(self.cache, batch, features)  # (N, E)
         picked = torch.cat(
             [hidden[end - r.logits_for : end] for end, r in zip(batch.ends, rows, strict=True)]
         )  # (sum logits_for, E)
         logits = self.model.logits(picked)  # (sum logits_for, V)
-        return list(logits.split([r.logits_for for r in rows]))
+        return Forward(
+            list(logits.split([r.logits_for for r in rows])),
+            list(hidden.split([len(r.tokens) for r in rows])),
+        )
 
     def commit(self, slot: int, prefix_len: int, keep: list[int]) -> None:
         """Keeps uncommitted entries `keep` (region offsets, increasing) after the prefix."""

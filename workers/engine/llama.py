@@ -212,14 +212,25 @@ class NativeLlama(nn.Module):
         self.lm_head = hf_model.lm_head
         self.rotary = Rotary(config)
 
-    def hidden(self, cache: PagedKVCache, batch: ForwardBatch) -> torch.Tensor:
-        """Writes the new tokens' keys/values into the cache; returns final hidden (N, E)."""
-        x = self.embed(batch.tokens)  # (N, E)
+    takes_features = False  # whether its input pairs each token with a target hidden state
+
+    def inputs(self, batch: ForwardBatch, features: torch.Tensor | None) -> torch.Tensor:
+        """The first layer's input (N, E): the new tokens' embeddings."""
+        if features is not None:
+            raise ValueError(f"{type(self).__name__} takes no features")
+        return self.embed(batch.tokens)
+
+    def hidden(
+        self, cache: PagedKVCache, batch: ForwardBatch, features: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Writes the new tokens' keys/values into the cache; returns the last layer's
+        output (N, E), before the final norm. `features` (N, E): see `inputs`."""
+        x = self.inputs(batch, features)  # (N, E)
         cos, sin = self.rotary(batch.positions, x.dtype)  # (N, 1, D) each
         for block in self.blocks:
             x = block(x, cos, sin, cache, batch)
-        return rms_norm(x, self.norm, self.shape.rms_norm_eps)
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: (..., E) -> (..., V) in float32
-        return self.lm_head(hidden).float()
+        # hidden: (..., E), before the final norm -> (..., V) in float32
+        return self.lm_head(rms_norm(hidden, self.norm, self.shape.rms_norm_eps)).float()

@@ -40,6 +40,7 @@ from typing import Protocol, TypeVar
 from workers.loop.state import Generation, LoopState, Plan, Round
 from workers.protocol import (
     Backend,
+    Features,
     InvalidCall,
     ProposeCall,
     Role,
@@ -66,6 +67,7 @@ class Placed(Protocol):
     backend: Backend
     max_tree_nodes: int  # most nodes it verifies in one tree; 0 = no limit stated
     load: int  # sessions bound to it now
+    feature_size: int  # a feature draft: the width of the target states it feeds on; else 0
 
 
 @dataclass
@@ -114,6 +116,10 @@ class Loop:
     keep: bool = False  # a clean end keeps the worker sessions (a conversation's next turn)
     draft: Seat = field(default_factory=Seat)
     target: Seat = field(default_factory=Seat)
+    # the target's states of the positions its latest verify committed, asked for while the
+    # session's draft is a feature draft; the next propose passes them on. Only the latest
+    # round's: a draft that lost the session starts over from them (workers/draft/features.py)
+    features: Features | None = None
 
     @property
     def history(self) -> list[int]:
@@ -193,9 +199,12 @@ class Loop:
             worker = self.draft.worker or self.bind("draft", tried)
             if worker is None:
                 break
+            if worker.feature_size and self.features is None:
+                return TokenTree.empty(), False  # a feature draft waits for the target's states
             held = self.draft.held
+            features = self.features if worker.feature_size else None
             call = ProposeCall(
-                self.session_id, held, self.history[held:], spec, self.state.plan.tenant
+                self.session_id, held, self.history[held:], spec, self.state.plan.tenant, features
             )
             try:
                 work = len(call.tokens) + spec.budget
@@ -218,6 +227,7 @@ class Loop:
         tried: set[str] = set()
         all_busy, last = True, None
         plan = self.state.plan
+        wants_features = bool(self.draft.worker and self.draft.worker.feature_size)
         for _ in range(self.route.attempts("target")):
             worker = self.target.worker or self.bind("target", tried)
             if worker is None:
@@ -231,6 +241,7 @@ class Loop:
                 plan.params,
                 plan.num_logprobs,
                 plan.acceptance,
+                wants_features,
             )
             try:
                 work = len(call.tokens) + len(tree)
@@ -246,6 +257,7 @@ class Loop:
                 self.leave("target", error, tried)
                 continue
             self.target.held = len(self.history) + len(outcome.emitted)
+            self.features = outcome.hidden
             return outcome
         raise self.route.exhausted(bool(tried) and all_busy, last)
 
@@ -298,6 +310,7 @@ class Fixed:
     backend: Backend
     max_tree_nodes: int = 0
     load: int = 0
+    feature_size: int = 0
 
     @property
     def address(self) -> str:
@@ -313,9 +326,12 @@ class Pair:
 
     @classmethod
     async def of(cls, target: Backend, draft: Backend | None = None) -> Pair:
-        """Asks the target for its tree limit once."""
+        """Asks the target for its tree limit and the draft whether it feeds on features, once."""
         info = await target.info()
-        return cls(Fixed(target, info.max_tree_nodes), Fixed(draft) if draft else None)
+        if draft is None:
+            return cls(Fixed(target, info.max_tree_nodes))
+        features = (await draft.info()).feature_size
+        return cls(Fixed(target, info.max_tree_nodes), Fixed(draft, feature_size=features))
 
     @property
     def drafts(self) -> bool:

@@ -10,7 +10,9 @@ Importing it loads no model code (no engine, no transformers).
 
 from workers.protocol.backend import Backend, BackendFactory, Role
 from workers.protocol.calls import (
+    FEATURE_DTYPE,
     UNFINISHED,
+    Features,
     ProposeCall,
     Timings,
     TokenLogprob,
@@ -32,6 +34,8 @@ from workers.protocol.errors import (
 )
 
 __all__ = [
+    "FEATURE_DTYPE",
+    "Features",
     "UNFINISHED",
     "Unfinished",
     "Backend",

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from workers.protocol.errors import IncompatibleWorkers
 from workers.speculation.acceptance import EXACT, AcceptanceRule
 from workers.speculation.sampling import SamplingParams
@@ -38,6 +40,47 @@ class TreeSpec:
         return SamplingParams(temperature=self.temperature, seed=self.seed)
 
 
+FEATURE_DTYPE = torch.bfloat16  # hidden states on the wire: fp32's range in half its bytes
+
+
+@dataclass(frozen=True)
+class Features:
+    """The target's final hidden states (before the final norm) at consecutive history
+    positions: what a feature (EAGLE-style) draft feeds on.
+
+    Row i is the state after token `start + i`, the one the target's next-token
+    distribution at position `start + i + 1` came from. bfloat16, not float16: a
+    residual stream has outliers far past float16's 65,504, and bfloat16 keeps
+    float32's exponent; the few mantissa bits it drops cost a draft nothing.
+    """
+
+    start: int  # history position of the first row
+    states: torch.Tensor  # (R, E) FEATURE_DTYPE
+
+    def __post_init__(self):
+        if self.states.dim() != 2 or self.states.dtype != FEATURE_DTYPE or self.start < 0:
+            raise ValueError(
+                f"features must be (R, E) {FEATURE_DTYPE} from a position >= 0, got "
+                f"{tuple(self.states.shape)} {self.states.dtype} from {self.start}"
+            )
+
+    @property
+    def end(self) -> int:
+        """One past the last position covered."""
+        return self.start + self.states.shape[0]
+
+    def at(self, positions: range, width: int) -> torch.Tensor:
+        """(len(positions), width) float32: the rows of `positions`, zeros where not covered."""
+        if self.states.shape[1] != width:
+            raise ValueError(f"hidden states of width {self.states.shape[1]}, expected {width}")
+        out = torch.zeros(len(positions), width)  # (P, E)
+        lo, hi = max(positions.start, self.start), min(positions.stop, self.end)
+        if lo < hi:
+            first = lo - positions.start
+            out[first : first + hi - lo] = self.states[lo - self.start : hi - self.start].float()
+        return out
+
+
 @dataclass(frozen=True)
 class ProposeCall:
     session_id: str
@@ -48,6 +91,7 @@ class ProposeCall:
     # also drafts from this tenant's earlier outputs (None: not at all, a seeded sample).
     # Not sent over gRPC.
     tenant: str | None = ""
+    features: Features | None = None  # a feature draft's input: the latest verify's states
 
 
 @dataclass(frozen=True)
@@ -59,6 +103,7 @@ class VerifyCall:
     params: SamplingParams
     num_logprobs: int = -1  # -1: no logprobs; n >= 0: logprob of each emitted token + top n
     acceptance: AcceptanceRule = EXACT  # how draft tokens are accepted; only exact is lossless
+    return_hidden: bool = False  # return the committed positions' hidden states (feature drafts)
 
 
 class Unfinished:
@@ -94,6 +139,7 @@ class VerifyOutcome:
     logprobs: list[TokenLogprob] | None  # one per emitted token, when asked
     prefix_hit: int  # cached tokens reused when the session (re)started
     timings: Timings = field(default_factory=Timings)  # filled in by a served worker
+    hidden: Features | None = None  # when asked: the states after each token fed and committed
 
 
 @dataclass(frozen=True)
@@ -111,6 +157,9 @@ class WorkerInfo:
     max_tree_nodes: int = 0  # most draft nodes per tree; 0 = no limit stated
     kv_tokens: int = 0  # KV cache positions shared by all sessions (paged); 0 = no cache
     kv_tokens_used: int = 0  # of those, positions held by sessions now
+    # a target: the width of the hidden states it returns; a draft: the width of the target
+    # states it feeds on (a feature draft), 0 = none
+    feature_size: int = 0
 
     def pairs_with(self, fingerprint: str) -> bool:
         """Whether this worker's token ids mean the same as a tokenizer's with `fingerprint`."""
@@ -129,4 +178,9 @@ def check_pair(draft: WorkerInfo, target: WorkerInfo) -> None:
             f"draft {draft.model_id!r} and target {target.model_id!r} use different tokenizers "
             f"(fingerprints {draft.tokenizer_fingerprint} and {target.tokenizer_fingerprint}): "
             "draft token ids would mean other text to the target"
+        )
+    if draft.feature_size and draft.feature_size != target.feature_size:
+        raise IncompatibleWorkers(
+            f"feature draft {draft.model_id!r} feeds on hidden states of width "
+            f"{draft.feature_size}, target {target.model_id!r} has {target.feature_size}"
         )

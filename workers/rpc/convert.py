@@ -12,6 +12,8 @@ import torch
 
 from proto.specsplit.v1 import specsplit_pb2 as pb
 from workers.protocol import (
+    FEATURE_DTYPE,
+    Features,
     ProposeCall,
     Timings,
     TokenLogprob,
@@ -57,6 +59,34 @@ def tree_from_proto(msg: pb.TokenTree) -> TokenTree:
     q_tokens = torch.tensor(list(msg.q_tokens), dtype=torch.long).view(n, k)  # (N, K)
     q_probs = torch.tensor(list(msg.q_probs), dtype=torch.float32).view(n, k)  # (N, K)
     return TokenTree(tokens, parents, q_tokens, q_probs)
+
+
+def features_to_proto(features: Features) -> pb.HiddenStates:
+    """The states as raw bfloat16 bytes: their bits, unchanged (no float conversion)."""
+    rows, width = features.states.shape
+    bits = features.states.contiguous().view(torch.int16)  # (R, E): the same 2 bytes each
+    return pb.HiddenStates(
+        start=features.start, rows=rows, width=width, data=bits.numpy().astype("<i2").tobytes()
+    )
+
+
+def features_from_proto(msg: pb.HiddenStates) -> Features:
+    if len(msg.data) != 2 * msg.rows * msg.width:
+        raise ValueError(
+            f"hidden states of {msg.rows} x {msg.width} need {2 * msg.rows * msg.width} bytes, "
+            f"got {len(msg.data)}"
+        )
+    bits = torch.frombuffer(bytearray(msg.data), dtype=torch.int16)  # (R * E,) little-endian
+    states = bits.view(FEATURE_DTYPE).view(msg.rows, msg.width)  # (R, E)
+    return Features(msg.start, states)
+
+
+def _features_field(name: str, features: Features | None) -> dict:
+    return {} if features is None else {name: features_to_proto(features)}
+
+
+def _features(msg, name: str) -> Features | None:
+    return features_from_proto(getattr(msg, name)) if msg.HasField(name) else None
 
 
 def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
@@ -154,12 +184,14 @@ def propose_request(call: ProposeCall) -> pb.ProposeRequest:
         base_len=call.base_len,
         tokens=call.tokens,
         policy=spec_to_proto(call.spec),
+        **_features_field("hidden", call.features),
     )
 
 
 def propose_call(msg: pb.ProposeRequest) -> ProposeCall:
     spec = spec_from_proto(msg.policy)
-    return ProposeCall(_session_id(msg), msg.base_len, list(msg.tokens), spec)
+    features = _features(msg, "hidden")
+    return ProposeCall(_session_id(msg), msg.base_len, list(msg.tokens), spec, "", features)
 
 
 def propose_response(tree: TokenTree, timings: Timings) -> pb.ProposeResponse:
@@ -178,6 +210,7 @@ def verify_request(call: VerifyCall) -> pb.VerifyRequest:
         sampling=params_to_proto(call.params),
         **_logprobs_field(call.num_logprobs),
         **_acceptance_field(call.acceptance),
+        return_hidden=call.return_hidden,
     )
 
 
@@ -190,6 +223,7 @@ def verify_call(msg: pb.VerifyRequest) -> VerifyCall:
         params_from_proto(msg.sampling),
         _num_logprobs(msg),
         _acceptance(msg),
+        msg.return_hidden,
     )
 
 
@@ -200,6 +234,7 @@ def verify_response(outcome: VerifyOutcome) -> pb.VerifyResponse:
         bonus=outcome.emitted[-1],
         prefix_hit=outcome.prefix_hit,
         timings=timings_to_proto(outcome.timings),
+        **_features_field("hidden", outcome.hidden),
     )
     for lp in outcome.logprobs or []:
         top = [pb.TopLogprob(token=t, logprob=v) for t, v in lp.top]
@@ -218,6 +253,7 @@ def verify_outcome(msg: pb.VerifyResponse) -> VerifyOutcome:
         logprobs or None,
         msg.prefix_hit,
         timings_from_proto(msg.timings),
+        _features(msg, "hidden"),
     )
 
 
@@ -237,6 +273,7 @@ def info_to_proto(info: WorkerInfo) -> pb.InfoResponse:
         max_tree_nodes=info.max_tree_nodes,
         kv_tokens=info.kv_tokens,
         kv_tokens_used=info.kv_tokens_used,
+        feature_size=info.feature_size,
     )
 
 
@@ -254,4 +291,5 @@ def info_from_proto(msg: pb.InfoResponse) -> WorkerInfo:
         max_tree_nodes=msg.max_tree_nodes,
         kv_tokens=msg.kv_tokens,
         kv_tokens_used=msg.kv_tokens_used,
+        feature_size=msg.feature_size,
     )

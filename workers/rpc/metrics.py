@@ -130,5 +130,9 @@ class MeteredEngine:
         self._on_forward(rows)
         return self._engine.forward(rows)
 
+    def run(self, rows: list[SlotInput], features=None):
+        self._on_forward(rows)
+        return self._engine.run(rows, features)
+
     def __getattr__(self, name: str):
         return getattr(self._engine, name)

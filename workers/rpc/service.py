@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from proto.specsplit.v1 import specsplit_pb2 as pb
 from proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
+from workers.draft.features import model_drafter
 from workers.draft.ngram import NgramDrafter
 from workers.draft.runner import ModelDrafter
 from workers.engine.sessions import SessionTable
@@ -140,7 +141,7 @@ def runner_for(
     if role == "target":
         chunk = settings.prefill_chunk or None
         return TargetRunner(metered, table, settings.max_tree_nodes, chunk), 0
-    return ModelDrafter(metered, table), engine.context_length + engine.max_tree_nodes
+    return model_drafter(metered, table), engine.context_length + engine.max_tree_nodes
 
 
 async def serve_role(role: Role, engine: Engine | None, settings: WorkerSettings) -> WorkerServer:

@@ -25,7 +25,9 @@ from workers.engine.batch import SlotInput
 from workers.engine.engine import Engine
 from workers.engine.sessions import Session, SessionTable
 from workers.protocol import (
+    FEATURE_DTYPE,
     UNFINISHED,
+    Features,
     TokenLogprob,
     Unfinished,
     VerifyCall,
@@ -119,18 +121,20 @@ class TargetRunner:
             except Exception as error:  # noqa: BLE001 - returned to that caller only
                 results[i] = error
         if prepared:
-            logits = self.engine.forward([p.row for _, p in prepared])
-            for (i, p), rows in zip(prepared, logits, strict=True):
+            out = self.engine.run([p.row for _, p in prepared])
+            for (i, p), logits, hidden in zip(prepared, out.logits, out.hidden, strict=True):
                 if p.chunk:
                     p.session.cached += len(p.row.tokens)
                     results[i] = UNFINISHED
                 else:
-                    results[i] = self.finish(p, rows)
+                    results[i] = self.finish(p, logits, hidden)
         return results  # type: ignore[return-value]
 
-    def finish(self, p: Prepared, logits: torch.Tensor) -> VerifyOutcome:
+    def finish(self, p: Prepared, logits: torch.Tensor, hidden: torch.Tensor) -> VerifyOutcome:
         # logits: (N + 1, V): row 0 after the last pending token, row i + 1 after node i
+        # hidden: (P + N, E): the state after each pending token, then after each node
         session, call = p.session, p.call
+        start = session.cached  # the history position of the first token fed
         generator = round_generator(call.params, len(session.committed), TARGET_STREAM)
         verdict = verify(call.tree, logits, call.params, generator, call.acceptance)
         pending = len(session.pending)
@@ -143,7 +147,10 @@ class TargetRunner:
         logprobs = None
         if call.num_logprobs >= 0:
             logprobs = token_logprobs(logits[rows], emitted, call.num_logprobs)
-        return VerifyOutcome(verdict.accepted, emitted, logprobs, p.prefix_hit)
+        features = None
+        if call.return_hidden:  # the states of the positions kept: all but the bonus token's
+            features = Features(start, hidden[keep].to(FEATURE_DTYPE).cpu())
+        return VerifyOutcome(verdict.accepted, emitted, logprobs, p.prefix_hit, hidden=features)
 
     def end(self, session_id: str) -> bool:
         self.chunking.pop(session_id, None)

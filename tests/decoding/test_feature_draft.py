@@ -1,0 +1,213 @@
+"""A feature (EAGLE-style) draft through the one loop, in-process and over real gRPC workers:
+greedy output is the target's, sampled output follows the target's distribution, the
+target's hidden states cross the wire bit for bit, and a draft that lost its session
+recovers without changing a token."""
+
+import asyncio
+import itertools
+import uuid
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from proto.specsplit.v1 import specsplit_pb2 as pb
+from tests.decoding.pairs import TRANSPORTS, drafter, pair, run
+from tests.decoding.test_greedy_lossless import PROMPTS, target_only
+from tests.decoding.test_sampling_lossless import (
+    PROMPT,
+    RUNS,
+    SAMPLED,
+    VOCAB,
+    exact_two_token_distribution,
+)
+from tests.engine.tiny import tiny_engine, tiny_hf_model
+from tests.workers.helpers import draft_worker, target_worker
+from workers.draft.features import FeatureDrafter
+from workers.engine.eagle import EagleHead, draft_kind, init_eagle_head, save_eagle_head
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.sessions import SessionTable
+from workers.loop import Loop, LoopState, Pair, Plan
+from workers.loop.inprocess import InProcessDraft, InProcessTarget
+from workers.protocol import (
+    FEATURE_DTYPE,
+    Features,
+    IncompatibleWorkers,
+    TreeSpec,
+    VerifyCall,
+    VerifyOutcome,
+    WorkerInfo,
+    check_pair,
+)
+from workers.rpc import convert
+from workers.speculation.acceptance import AcceptanceRule
+from workers.speculation.sampling import SamplingParams
+from workers.speculation.tree import TokenTree
+from workers.target.runner import TargetRunner
+
+GREEDY = SamplingParams()
+SPEC = TreeSpec(depth=4, branching=2, budget=8)
+
+
+def eagle_engine(seed: int, vocab: int = 96, slots: int = 2, max_seq_len: int = 256) -> Engine:
+    """A random EAGLE head over the tiny target of `seed`: lossless whatever it predicts."""
+    head, fuse = init_eagle_head(tiny_hf_model(seed=seed, vocab=vocab), seed=seed + 100)
+    config = EngineConfig(max_sessions=slots, max_seq_len=max_seq_len)
+    return Engine.from_hf(head, None, config, "eagle", fuse=fuse)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_feature_draft_greedy_equals_the_target(transport):
+    async with pair(transport, tiny_engine(seed=0, slots=2), eagle_engine(0)) as route:
+        assert route.draft.feature_size == 64  # the draft said it feeds on target states
+        for prompt in PROMPTS:
+            gen = await run(route, prompt, 30, SPEC, GREEDY)
+            assert gen.token_ids == await target_only(0, prompt, 30)
+            assert gen.stats.draft_tokens > 0 and gen.stats.history_resends == 0
+
+
+def test_the_target_returns_its_states_of_the_committed_positions():
+    """Row i is the state after token start + i, before the final norm: the target's own
+    next-token logits come out of it, and every position but the bonus token's is there."""
+    engine = tiny_engine(seed=0, slots=2)
+    runner = TargetRunner(engine, SessionTable(2))
+    prompt = PROMPTS[0]
+    call = VerifyCall("s", 0, prompt, TokenTree.empty(), GREEDY, return_hidden=True)
+    (first,) = runner.verify([call])
+    assert first.hidden.start == 0 and first.hidden.states.shape == (len(prompt), 64)
+    logits = engine.model.logits(first.hidden.states[-1:].float())  # (1, V)
+    assert int(logits.argmax()) == first.emitted[0]
+    tree = TokenTree(torch.tensor([first.emitted[0], 3]), torch.tensor([-1, 0]))
+    history = prompt + first.emitted
+    call = VerifyCall("s", len(history), [], tree, GREEDY, return_hidden=True)
+    (second,) = runner.verify([call])
+    assert second.hidden.start == len(history) - 1  # the root, re-fed
+    assert second.hidden.states.shape[0] == len(second.emitted)
+    (plain,) = runner.verify([VerifyCall("s", len(history) + len(second.emitted), [], tree, GREEDY)])
+    assert plain.hidden is None  # nobody asked: nothing is sent
+
+
+def test_hidden_states_round_trip_the_wire_bit_for_bit():
+    values = torch.randn(5, 64) * torch.logspace(-40, 38, 64)  # (5, E): tiny to huge
+    values[0, :4] = torch.tensor([float("inf"), float("-inf"), -0.0, float("nan")])
+    states = values.to(FEATURE_DTYPE)
+    outcome = VerifyOutcome([], [1], None, 0, hidden=Features(7, states))
+    wire = pb.VerifyResponse.FromString(convert.verify_response(outcome).SerializeToString())
+    assert len(wire.hidden.data) == 2 * states.numel()  # two bytes a value
+    back = convert.verify_outcome(wire).hidden
+    assert back.start == 7 and back.states.dtype == FEATURE_DTYPE
+    assert torch.equal(back.states.view(torch.int16), states.view(torch.int16))
+
+
+async def test_hidden_states_over_grpc_equal_the_in_process_ones():
+    prompt = PROMPTS[1]
+    call = VerifyCall("s", 0, prompt, TokenTree.empty(), GREEDY, return_hidden=True)
+    (local,) = TargetRunner(tiny_engine(seed=0, slots=2), SessionTable(2)).verify([call])
+    async with target_worker(tiny_engine(seed=0, slots=2)) as (_, target):
+        remote = await target.verify(call)
+    assert remote.hidden.start == local.hidden.start
+    assert torch.equal(remote.hidden.states.view(torch.int16), local.hidden.states.view(torch.int16))
+
+
+def test_features_fill_positions_they_do_not_cover_with_zeros():
+    states = torch.arange(6, dtype=torch.float32).view(3, 2).to(FEATURE_DTYPE)  # (3, 2)
+    out = Features(4, states).at(range(3, 8), 2)  # positions 3..7; 4..6 covered
+    assert out[:, 0].tolist() == [0.0, 0.0, 2.0, 4.0, 0.0]
+
+
+async def test_a_draft_that_lost_the_session_recovers_and_the_output_stays_exact():
+    """Evicting the session from the draft after every other round: it comes back with the
+    whole history and only the latest round's states, and proposes on."""
+    prompt, n = PROMPTS[0], 30
+    head = FeatureDrafter(eagle_engine(0), SessionTable(2))
+    target = InProcessTarget("t", TargetRunner(tiny_engine(seed=0, slots=2), SessionTable(2)))
+    route = await Pair.of(target, InProcessDraft("d", head, threaded=False))
+    loop = Loop(LoopState(Plan(prompt, n, GREEDY, SPEC)), route, uuid.uuid4().hex)
+    rounds = 0
+    async for _ in loop.rounds():
+        rounds += 1
+        if rounds % 2 == 0:
+            head.end(loop.session_id)
+    assert loop.state.generated == await target_only(0, prompt, n)
+    assert loop.counters.history_resends >= 2 and loop.counters.draft_tokens > 0
+
+
+def test_a_head_directory_says_its_kind_and_loads_as_a_feature_draft(tmp_path):
+    from tests.gateway.helpers import word_tokenizer, write_tiny_model
+
+    target_dir = write_tiny_model(tmp_path / "target")
+    from transformers import AutoModelForCausalLM
+
+    head, fuse = init_eagle_head(AutoModelForCausalLM.from_pretrained(target_dir), seed=3)
+    head_dir = save_eagle_head(tmp_path / "head", head, fuse, word_tokenizer())
+    assert draft_kind(head_dir) == "eagle" and draft_kind(target_dir) == "model"
+    config = EngineConfig(model=str(head_dir), max_sessions=2, max_seq_len=64)
+    engine = Engine.load(config)
+    assert isinstance(engine.model, EagleHead)
+    target = Engine.load(EngineConfig(model=str(target_dir), max_sessions=2, max_seq_len=64))
+    draft_info = drafter(engine).info()
+    assert draft_info.feature_size == target.info("target", 0, 0).feature_size == 64
+    check_pair(draft_info, target.info("target", 0, 0))
+    assert torch.equal(engine.model.embed.weight, target.model.embed.weight)
+
+
+def test_a_feature_draft_pairs_only_with_a_target_of_its_width():
+    draft = WorkerInfo("draft", "eagle", "vocab:96", 96, 256, 2, feature_size=64)
+    wide = WorkerInfo("target", "big", "vocab:96", 96, 256, 2, feature_size=128)
+    with pytest.raises(IncompatibleWorkers, match="width"):
+        check_pair(draft, wide)
+
+
+async def test_the_draft_worker_says_it_feeds_on_features():
+    async with draft_worker(eagle_engine(1)) as (_, remote):
+        assert (await remote.info()).feature_size == 64
+
+
+# --- sampling: the target's distribution, through the feature path ----------------------
+
+CONCURRENT = 16
+
+
+async def sampled_counts(transport: str, acceptance: AcceptanceRule) -> torch.Tensor:
+    target = tiny_engine(seed=4, vocab=VOCAB, slots=CONCURRENT)
+    head = eagle_engine(4, vocab=VOCAB, slots=CONCURRENT, max_seq_len=64)
+    counts = torch.zeros(VOCAB, VOCAB)
+    tree = TreeSpec(depth=2, branching=3, budget=8)
+
+    async def one(route, seed: int) -> list[int]:
+        params = SamplingParams(SAMPLED.temperature, seed=seed)
+        plan = Plan(PROMPT, 3, params, tree, acceptance=acceptance)
+        loop = Loop(LoopState(plan), route, uuid.uuid4().hex)
+        async for _ in loop.rounds():
+            pass
+        assert loop.counters.draft_tokens > 0  # the head drafted from the target's states
+        return loop.state.generated
+
+    async with pair(transport, target, head) as route:
+        for first in range(0, RUNS, CONCURRENT):
+            seeds = range(first, min(first + CONCURRENT, RUNS))
+            for out in await asyncio.gather(*(one(route, seed) for seed in seeds)):
+                counts[out[0], out[1]] += 1
+    return counts
+
+
+def chi_square_p(counts: torch.Tensor) -> float:
+    expected = exact_two_token_distribution(tiny_hf_model(vocab=VOCAB, seed=4), SAMPLED)
+    cells = [(a, b) for a, b in itertools.product(range(VOCAB), repeat=2) if expected[a, b] > 0]
+    observed = [float(counts[a, b]) for a, b in cells]
+    wanted = [float(expected[a, b]) * RUNS for a, b in cells]
+    scale = sum(observed) / sum(wanted)
+    return chisquare(observed, [w * scale for w in wanted]).pvalue
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_feature_draft_samples_follow_the_target_distribution(transport):
+    counts = await sampled_counts(transport, AcceptanceRule())
+    assert counts.sum() == RUNS
+    assert chi_square_p(counts) > 1e-3
+
+
+async def test_the_same_test_rejects_a_lossy_verification():
+    """Power: the feature path with a lossy acceptance rule must fail the test decisively."""
+    counts = await sampled_counts("inprocess", AcceptanceRule("threshold", threshold=0.05))
+    assert chi_square_p(counts) < 1e-6

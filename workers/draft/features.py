@@ -1,0 +1,80 @@
+"""A feature draft: `ModelDrafter`'s level-by-level expansion over an EAGLE-style head.
+
+The head (workers/engine/eagle.py) pairs each token it is fed with a hidden
+state: a committed token t with the target's own state at t - 1, taken from
+the call's `features` (the states the target returned with its latest
+Verify); a tree node with the state the head itself predicted at its parent
+one level earlier. The tree is sampled and carries its q rows exactly as a
+model draft's (`ModelDrafter.grow`), so verification stays lossless whatever
+the head predicts.
+
+Its KV cache differs from a model draft's in what it keeps:
+- the committed tokens a call brings are kept as soon as they are fed,
+  since the next call brings only the states of newer tokens;
+- last round's tree nodes are never kept, even on the accepted path: they
+  were fed predicted states, and the next call brings the target's own
+  states for those tokens.
+
+A session this worker lost (restart, eviction, a failover to it) comes back
+with its full history but only the latest round's states: older tokens are
+fed with zero states. Their cache entries carry less, so acceptance is lower
+until the session's recent tokens dominate; the tokens are still the same.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.draft.runner import Expansion, ModelDrafter
+from workers.engine.engine import Engine
+from workers.engine.sessions import Session, SessionTable
+
+
+class FeatureDrafter(ModelDrafter):
+    """Proposes trees with an EAGLE-style head; one head forward per level for all sessions."""
+
+    @property
+    def width(self) -> int:
+        """E, the target's hidden size (the head's too)."""
+        return self.engine.model.shape.hidden_size
+
+    def reuse(self, session: Session) -> None:
+        """Drops last round's tree nodes: they were fed predicted states (module docstring)."""
+        session.region_tokens, session.region_parents, session.region_fed = [], [], 0
+
+    def forward(self, expansions: list[Expansion]) -> list[torch.Tensor]:
+        rows = [self.row(x) for x in expansions]
+        fed = torch.cat([self.inputs(x, len(r.tokens)) for x, r in zip(expansions, rows)])
+        out = self.engine.run(rows, fed)  # fed: (N, E)
+        for x, row, hidden in zip(expansions, rows, out.hidden, strict=True):
+            # hidden: (T, E); the last logits_for rows are the states after the plan's nodes
+            for node, state in zip(x.plan, hidden[len(row.tokens) - row.logits_for :]):
+                x.features[node] = state
+            if -1 in x.plan:  # level 0 fed the committed tokens: keep them now
+                keep(self.engine, x.session)
+        return out.logits
+
+    def inputs(self, x: Expansion, n: int) -> torch.Tensor:
+        """The states paired with the `n` tokens `row(x)` feeds: (n, E) float32."""
+        session = x.session
+        if -1 in x.plan:  # level 0: committed tokens at positions cached .. cached + n - 1
+            features = x.call.features
+            positions = range(session.cached - 1, session.cached + n - 1)
+            if features is None:
+                return torch.zeros(n, self.width)
+            return features.at(positions, self.width)
+        # level >= 1: each node to expand, with what the head predicted after its parent
+        return torch.stack([x.features[x.parent_of[node]].float().cpu() for node in x.plan])
+
+
+def keep(engine: Engine, session: Session) -> None:
+    """Commits the region fed at level 0 (the pending tokens) to the session's cache."""
+    n = len(session.region_tokens)
+    engine.commit(session.slot, session.cached, list(range(n)))
+    session.cached += n
+    session.region_tokens, session.region_parents, session.region_fed = [], [], 0
+
+
+def model_drafter(engine: Engine, table: SessionTable) -> ModelDrafter:
+    """The drafter for a draft engine: a feature drafter over an EAGLE head, else a model."""
+    return (FeatureDrafter if engine.model.takes_features else ModelDrafter)(engine, table)
