@@ -12,8 +12,8 @@ import uuid
 from contextlib import asynccontextmanager
 
 from tests.workers.helpers import draft_worker, target_worker
-from workers.draft.ngram import NgramDrafter
 from workers.draft.features import model_drafter
+from workers.draft.ngram import NgramDrafter
 from workers.engine.engine import Engine
 from workers.engine.sessions import SessionTable
 from workers.loop import Generation, Pair, Plan, generate

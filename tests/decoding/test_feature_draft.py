@@ -28,7 +28,7 @@ from workers.engine.eagle import EagleHead, draft_kind, init_eagle_head, save_ea
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
 from workers.loop import Loop, LoopState, Pair, Plan
-from workers.loop.inprocess import InProcessDraft, InProcessTarget
+from workers.loop.inprocess import InProcessDraft, InProcessTarget, LocalDecoder
 from workers.protocol import (
     FEATURE_DTYPE,
     Features,
@@ -66,6 +66,62 @@ async def test_feature_draft_greedy_equals_the_target(transport):
             assert gen.stats.draft_tokens > 0 and gen.stats.history_resends == 0
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_feature_draft_greedy_over_a_small_vocabulary_accepts_paths(transport):
+    """Six tokens: a random head guesses right often, so accepted paths (several states a
+    round) go through the loop too."""
+    target = tiny_engine(seed=4, vocab=VOCAB, slots=2)
+    plain = LocalDecoder(TargetRunner(tiny_engine(seed=4, vocab=VOCAB, slots=2), SessionTable(2)))
+    accepted = 0
+    async with pair(transport, target, eagle_engine(4, vocab=VOCAB)) as route:
+        for prompt in ([1, 4, 2], [5, 0, 3, 3, 1, 2, 4]):
+            gen = await run(route, prompt, 40, SPEC, GREEDY)
+            assert gen.token_ids == (await plain.agenerate(prompt, 40, GREEDY)).token_ids
+            accepted += gen.stats.accepted_tokens
+    assert accepted >= 10
+
+
+class Recording(FeatureDrafter):
+    """Records the states each level-0 forward pairs the committed tokens with."""
+
+    def __init__(self, engine, table):
+        super().__init__(engine, table)
+        self.fed: list[tuple[int, torch.Tensor]] = []  # (first position, (n, E) states)
+
+    def inputs(self, x, n):
+        states = super().inputs(x, n)
+        if -1 in x.plan:
+            self.fed.append((x.session.cached, states))
+        return states
+
+
+async def test_the_head_pairs_each_committed_token_with_the_targets_state_before_it():
+    prompt, n = PROMPTS[1], 30
+    head = Recording(eagle_engine(0), SessionTable(2))
+    target = InProcessTarget("t", TargetRunner(tiny_engine(seed=0, slots=2), SessionTable(2)))
+    route = await Pair.of(target, InProcessDraft("d", head, threaded=False))
+    loop = Loop(LoopState(Plan(prompt, n, GREEDY, SPEC)), route, uuid.uuid4().hex)
+    async for _ in loop.rounds():
+        pass
+    history = loop.state.history
+    # the target's states over the whole history, in one prefill: (L - 1, E)
+    call = VerifyCall("all", 0, history, TokenTree.empty(), GREEDY, return_hidden=True)
+    (whole,) = TargetRunner(tiny_engine(seed=0, slots=2), SessionTable(2)).verify([call])
+    truth = whole.hidden.states.float()
+    assert head.fed and head.fed[0][0] == 0  # the first propose came after the first verify
+    positions = []
+    for first, states in head.fed:
+        for i, row in enumerate(states):
+            position = first + i
+            if position == 0:
+                assert not row.any()  # nothing comes before the first token
+            else:
+                torch.testing.assert_close(row, truth[position - 1], atol=0.05, rtol=0.02)
+            positions.append(position)
+    # each committed token fed once, in order (the last round's after the last propose)
+    assert positions == list(range(len(positions))) and len(positions) > len(prompt)
+
+
 def test_the_target_returns_its_states_of_the_committed_positions():
     """Row i is the state after token start + i, before the final norm: the target's own
     next-token logits come out of it, and every position but the bonus token's is there."""
@@ -83,7 +139,9 @@ def test_the_target_returns_its_states_of_the_committed_positions():
     (second,) = runner.verify([call])
     assert second.hidden.start == len(history) - 1  # the root, re-fed
     assert second.hidden.states.shape[0] == len(second.emitted)
-    (plain,) = runner.verify([VerifyCall("s", len(history) + len(second.emitted), [], tree, GREEDY)])
+    (plain,) = runner.verify(
+        [VerifyCall("s", len(history) + len(second.emitted), [], tree, GREEDY)]
+    )
     assert plain.hidden is None  # nobody asked: nothing is sent
 
 
@@ -106,7 +164,9 @@ async def test_hidden_states_over_grpc_equal_the_in_process_ones():
     async with target_worker(tiny_engine(seed=0, slots=2)) as (_, target):
         remote = await target.verify(call)
     assert remote.hidden.start == local.hidden.start
-    assert torch.equal(remote.hidden.states.view(torch.int16), local.hidden.states.view(torch.int16))
+    assert torch.equal(
+        remote.hidden.states.view(torch.int16), local.hidden.states.view(torch.int16)
+    )
 
 
 def test_features_fill_positions_they_do_not_cover_with_zeros():

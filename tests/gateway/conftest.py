@@ -9,7 +9,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from tests.gateway.helpers import write_tiny_model
+from tests.gateway.helpers import word_tokenizer, write_tiny_model
+from workers.engine.eagle import init_eagle_head, save_eagle_head
 
 
 @pytest.fixture(autouse=True)
@@ -31,6 +32,16 @@ def tiny_dir(tmp_path_factory) -> Path:
 def tiny_draft_dir(tmp_path_factory) -> Path:
     """A draft model: the target with slightly perturbed weights (accepted often, not always)."""
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "draft", noise=0.01)
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle_dir(tmp_path_factory, tiny_dir) -> Path:
+    """A feature draft: a random EAGLE head over the target (lossless whatever it predicts)."""
+    from transformers import AutoModelForCausalLM
+
+    head, fuse = init_eagle_head(AutoModelForCausalLM.from_pretrained(tiny_dir), seed=5)
+    out = tmp_path_factory.mktemp("tiny") / "eagle"
+    return save_eagle_head(out, head, fuse, word_tokenizer())
 
 
 @pytest.fixture(scope="session")

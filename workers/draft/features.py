@@ -44,11 +44,13 @@ class FeatureDrafter(ModelDrafter):
 
     def forward(self, expansions: list[Expansion]) -> list[torch.Tensor]:
         rows = [self.row(x) for x in expansions]
-        fed = torch.cat([self.inputs(x, len(r.tokens)) for x, r in zip(expansions, rows)])
+        fed = torch.cat(
+            [self.inputs(x, len(r.tokens)) for x, r in zip(expansions, rows, strict=True)]
+        )
         out = self.engine.run(rows, fed)  # fed: (N, E)
         for x, row, hidden in zip(expansions, rows, out.hidden, strict=True):
             # hidden: (T, E); the last logits_for rows are the states after the plan's nodes
-            for node, state in zip(x.plan, hidden[len(row.tokens) - row.logits_for :]):
+            for node, state in zip(x.plan, hidden[-row.logits_for :], strict=True):
                 x.features[node] = state
             if -1 in x.plan:  # level 0 fed the committed tokens: keep them now
                 keep(self.engine, x.session)

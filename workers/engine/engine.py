@@ -74,9 +74,7 @@ class Engine:
         return cls.from_hf(hf, load_tokenizer(path), config, model_id=config.model, fuse=head)
 
     @classmethod
-    def from_hf(
-        cls, hf_model, tokenizer, config: EngineConfig, model_id: str, fuse=None
-    ) -> Engine:
+    def from_hf(cls, hf_model, tokenizer, config: EngineConfig, model_id: str, fuse=None) -> Engine:
         """An engine over a transformers model; with `fuse` (an EAGLE head's E*2 -> E linear,
         workers/engine/eagle.py) the model is that head's one layer, fed target states."""
         model = (NativeLlama(hf_model) if fuse is None else EagleHead(hf_model, fuse)).eval()

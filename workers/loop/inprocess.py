@@ -220,10 +220,11 @@ def build_local(
 ) -> tuple[LocalDecoder, Engine]:
     """Loads the target (and a model draft) and joins them; returns the decoder and target.
 
-    `draft_model`: a model (alias, directory, .gguf, HF id), "ngram" or "none"."""
+    `draft_model`: a model or an EAGLE head (alias, directory, .gguf, HF id), "ngram" or
+    "none"."""
     from dataclasses import replace
 
-    from workers.draft.runner import ModelDrafter
+    from workers.draft.features import model_drafter
     from workers.engine.engine import Engine
     from workers.engine.text import stop_token_ids
     from workers.target.runner import TargetRunner
@@ -235,7 +236,7 @@ def build_local(
         drafter = NgramDrafter(SessionTable(1024), engine.vocab_size)
     elif draft_model != "none":
         draft = Engine.load(replace(target, model=draft_model))
-        drafter = ModelDrafter(draft, SessionTable(draft.num_slots))
+        drafter = model_drafter(draft, SessionTable(draft.num_slots))
         check_pair(drafter.info(), runner.info())
     stop_ids = stop_token_ids(engine.tokenizer)
     return LocalDecoder(runner, drafter, spec, stop_ids, acceptance), engine

@@ -13,6 +13,11 @@ until its last chunk goes with its tree: the caller (the batcher) runs the
 same call again in its next batch, so the other sessions' rounds go on between
 the chunks instead of waiting for the whole prompt. The tokens are the same:
 a chunk's keys and values are those the whole prompt would have written.
+
+A call with `return_hidden` (a session whose draft is a feature draft) also
+gets the final hidden states (before the final norm) of the positions it
+committed: every token fed this step but the bonus token, as bfloat16
+`Features` (workers/protocol/calls.py). Other calls get none.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ import torch
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
+from workers.draft.features import model_drafter
 from workers.draft.ngram import NgramDrafter
-from workers.draft.runner import ModelDrafter
 from workers.engine.batch import SlotInput
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
@@ -116,7 +116,7 @@ def run(s: DraftBenchSettings) -> str:
         return NgramDrafter(SessionTable(4))
 
     def model():
-        return ModelDrafter(draft, SessionTable(2))
+        return model_drafter(draft, SessionTable(2))
 
     decoders = {
         "speculation off": decoder(None, tree),

@@ -1,0 +1,66 @@
+"""A feature (EAGLE-style) draft behind the gateway: the output is the target's, through
+the pool's routing, with the look-ahead on, and across a failover to another head."""
+
+from __future__ import annotations
+
+import pytest
+from openai import OpenAI
+
+from tests.gateway.helpers import MODEL, live, model_draft, target
+
+CHAT = [{"role": "user", "content": "one two three four five"}]
+GREEDY = dict(model=MODEL, messages=CHAT, max_tokens=40, temperature=0)
+
+
+def client_of(gateway) -> OpenAI:
+    return OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def plain_text(tiny_dir) -> str:
+    with live(tiny_dir, [target(tiny_dir)]) as gateway:
+        return client_of(gateway).chat.completions.create(**GREEDY).choices[0].message.content
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_feature_draft_gives_the_targets_greedy_text(
+    tiny_dir, tiny_eagle_dir, plain_text, overlap
+):
+    backends = [target(tiny_dir), model_draft(tiny_eagle_dir)]
+    with live(tiny_dir, backends, overlap_draft=overlap) as gateway:
+        reply = client_of(gateway).chat.completions.create(
+            extra_body={"speculation_stats": True}, **GREEDY
+        )
+        assert reply.choices[0].message.content == plain_text
+        stats = reply.model_extra["speculation_stats"]
+        assert stats["draft_tokens"] > 0 and stats["degraded_rounds"] == 0
+
+
+def test_a_failover_to_another_feature_draft_keeps_the_text(tiny_dir, tiny_eagle_dir, plain_text):
+    """The first head dies mid-stream; the second gets the whole history and the latest
+    round's states only, and drafts on."""
+    heads = [model_draft(tiny_eagle_dir, "d0"), model_draft(tiny_eagle_dir, "d1")]
+    calls = {head.address: [] for head in heads}
+    for head in heads:
+        propose = head.drafter.propose
+
+        def recorded(batch, propose=propose, seen=calls[head.address]):
+            seen.extend(batch)
+            return propose(batch)
+
+        head.drafter.propose = recorded
+    with live(tiny_dir, [target(tiny_dir), *heads]) as gateway:
+        text, stopped = "", []
+        stream = client_of(gateway).chat.completions.create(stream=True, **GREEDY)
+        for i, chunk in enumerate(stream):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if i == 3:
+                stopped.append(next(head for head in heads if calls[head.address]))
+                stopped[0].stop()
+        assert stopped and text == plain_text
+    (survivor,) = [head for head in heads if head is not stopped[0]]
+    first, *later = calls[survivor.address]
+    assert first.base_len == 0 and first.features is not None  # the latest round's states
+    assert first.features.end == len(first.tokens) - 1  # up to the state before the last token
+    assert later and all(c.base_len > 0 for c in later)  # then it drafts on from there
