@@ -15,7 +15,9 @@ is killed.
 `--draft-model ngram` (the default) runs the prompt-lookup draft inside the
 gateway: it needs nothing but the history the gateway already owns, so a
 draft worker would only add a network hop per round and a process to run.
-`--draft-model none` decodes with the target alone.
+`--draft-model none` decodes with the target alone. Any other value is a model
+for the draft workers: a small LM, or an EAGLE head directory (a feature draft,
+workers/engine/eagle.py), which the workers recognise by its specsplit_draft.json.
 
 The gateway and its workers talk mutual TLS with a token: a fresh CA,
 certificates and token are written to a private temporary directory at every
@@ -67,7 +69,9 @@ class ServeSettings(GatewayOptions, EngineOptions):
     host: str = Field("127.0.0.1", description="address the gateway listens on")
     port: int = Field(8000, ge=0, le=65535, description="gateway port; 0 = any free port")
     draft_model: str = Field(
-        "ngram", description="'ngram' (in the gateway), 'none', or a model for draft workers"
+        "ngram",
+        description="'ngram' (in the gateway), 'none', or a model or EAGLE head directory for "
+        "draft workers",
     )
     targets: int = Field(1, ge=1, description="target worker processes")
     drafts: int = Field(1, ge=1, description="draft worker processes (with a draft model)")

@@ -52,8 +52,9 @@ class WorkerSettings(EngineOptions):
     )
     model: str | None = Field(
         None,
-        description="alias, directory, .gguf or HF id; the draft also takes 'ngram' (no model); "
-        "default smollm2-135m-instruct (target), ngram (draft)",
+        description="alias, directory, .gguf or HF id; the draft also takes an EAGLE head "
+        "directory (a feature draft) and 'ngram' (no model); default smollm2-135m-instruct "
+        "(target), ngram (draft)",
     )
     max_sessions: int = Field(64, ge=1, description="sessions held at once")
     kv_tokens: int = Field(

@@ -33,6 +33,7 @@ from workers.protocol import (
     FEATURE_DTYPE,
     Features,
     IncompatibleWorkers,
+    ProposeCall,
     TreeSpec,
     VerifyCall,
     VerifyOutcome,
@@ -216,6 +217,21 @@ def test_a_feature_draft_pairs_only_with_a_target_of_its_width():
     wide = WorkerInfo("target", "big", "vocab:96", 96, 256, 2, feature_size=128)
     with pytest.raises(IncompatibleWorkers, match="width"):
         check_pair(draft, wide)
+
+
+def test_states_of_another_width_fail_only_their_own_call():
+    head = FeatureDrafter(eagle_engine(0), SessionTable(2))
+    prompt = PROMPTS[0]
+    right = Features(0, torch.zeros(len(prompt) - 1, 64, dtype=FEATURE_DTYPE))
+    wrong = Features(0, torch.zeros(len(prompt) - 1, 32, dtype=FEATURE_DTYPE))
+    good, bad = head.propose(
+        [
+            ProposeCall("a", 0, prompt, SPEC, features=right),
+            ProposeCall("b", 0, prompt, SPEC, features=wrong),
+        ]
+    )
+    assert isinstance(bad, ValueError) and "width" in str(bad)
+    assert len(good) > 0
 
 
 async def test_the_draft_worker_says_it_feeds_on_features():

@@ -28,6 +28,7 @@ import torch
 from workers.draft.runner import Expansion, ModelDrafter
 from workers.engine.engine import Engine
 from workers.engine.sessions import Session, SessionTable
+from workers.protocol import ProposeCall
 
 
 class FeatureDrafter(ModelDrafter):
@@ -37,6 +38,15 @@ class FeatureDrafter(ModelDrafter):
     def width(self) -> int:
         """E, the target's hidden size (the head's too)."""
         return self.engine.model.shape.hidden_size
+
+    def start(self, call: ProposeCall, busy: set[str]) -> Expansion | None:
+        """`ModelDrafter.start`, refusing states of another width than the head's."""
+        if call.features is not None and call.features.states.shape[1] != self.width:
+            raise ValueError(
+                f"hidden states of width {call.features.states.shape[1]}: this head feeds on "
+                f"{self.width}"
+            )
+        return super().start(call, busy)
 
     def reuse(self, session: Session) -> None:
         """Drops last round's tree nodes: they were fed predicted states (module docstring)."""
