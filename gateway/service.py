@@ -209,12 +209,14 @@ class Gateway:
         eos = self.router.eos_token_ids()
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
-        affinity = request.headers.get("x-session-id") or body.user
+        tenant = getattr(request.state, "tenant", "")
+        conversation = request.headers.get("x-session-id") or body.user
+        # a conversation is its key's own: another key naming it shares no worker session
+        affinity = None if conversation is None else f"{tenant}/{conversation}"
         s = self.settings
         pools = self.router.draft_pools()
         default = next((m for m, p in pools.items() if p is self.router.drafts), "off")
         spec = control(body.speculation, s.tree_spec, default, set(pools), s.allow_lossy)
-        tenant = getattr(request.state, "tenant", "")
         if body.seed is not None and body.temperature != 0:
             tenant = None  # a seeded sample drafts from itself only: same seed, same text
         return generation_request(body, prompts, s, context, frozenset(eos), affinity, spec, tenant)

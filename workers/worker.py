@@ -66,8 +66,8 @@ class WorkerSettings(EngineOptions):
     prefill_chunk: int = Field(
         128,
         ge=0,
-        description="a target prefills a long prompt this many tokens per batch, between the "
-        "other sessions' rounds; 0 = the whole prompt in one batch",
+        description="a target or model draft prefills a long prompt this many tokens per "
+        "batch, between the other sessions' rounds; 0 = the whole prompt in one batch",
     )
     idle_timeout_s: float = Field(600.0, gt=0, description="end sessions idle this long")
     metrics_port: int | None = Field(

@@ -31,6 +31,7 @@ from workers.loop import Loop, LoopState, Pair, Plan
 from workers.loop.inprocess import InProcessDraft, InProcessTarget, LocalDecoder
 from workers.protocol import (
     FEATURE_DTYPE,
+    UNFINISHED,
     Features,
     IncompatibleWorkers,
     ProposeCall,
@@ -232,6 +233,25 @@ def test_states_of_another_width_fail_only_their_own_call():
     )
     assert isinstance(bad, ValueError) and "width" in str(bad)
     assert len(good) > 0
+
+
+def test_a_head_prefills_a_long_history_in_chunks_with_its_states():
+    """Chunks pair each token with its state as the whole history would: same tree, same
+    cache entries."""
+    history = torch.randint(1, 96, (70,), generator=torch.Generator().manual_seed(5)).tolist()
+    gen = torch.Generator().manual_seed(6)
+    states = Features(0, torch.randn(69, 64, generator=gen).to(FEATURE_DTYPE))  # (L - 1, E)
+    call = ProposeCall("p", 0, history, SPEC, features=states)
+    chunked = FeatureDrafter(eagle_engine(0), SessionTable(2), prefill_chunk=32)
+    steps = [chunked.propose([call]) for _ in range(3)]
+    assert [s[0] is UNFINISHED for s in steps] == [True, True, False]
+    whole = FeatureDrafter(eagle_engine(0), SessionTable(2))
+    (tree,) = whole.propose([call])
+    assert steps[2][0].tokens.tolist() == tree.tokens.tolist()
+    assert steps[2][0].parents.tolist() == tree.parents.tolist()
+    ours = chunked.engine.cache.entries(chunked.table.get("p").slot, 70)
+    theirs = whole.engine.cache.entries(whole.table.get("p").slot, 70)
+    torch.testing.assert_close(ours[0], theirs[0], atol=1e-4, rtol=1e-4)
 
 
 async def test_the_draft_worker_says_it_feeds_on_features():

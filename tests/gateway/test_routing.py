@@ -197,6 +197,27 @@ def test_conversation_affinity_reuses_the_cached_prefix(tiny_dir):
         assert "specsplit_prefix_cache_hits_total 2.0" in httpx.get(gateway.url + "/metrics").text
 
 
+def test_a_conversation_id_is_scoped_to_its_api_key(tiny_dir):
+    # another key sending the same X-Session-ID reuses none of the first key's worker sessions
+    with live(tiny_dir, [target(tiny_dir, "t0")]) as gateway:
+
+        def prefix_hit(key: str) -> int:
+            client = OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
+            reply = client.chat.completions.create(
+                model=MODEL,
+                messages=CHAT,
+                max_tokens=4,
+                temperature=0,
+                extra_headers={"X-Session-ID": "shared-name"},
+                extra_body={"speculation_stats": True},
+            )
+            return reply.model_extra["speculation_stats"]["prefix_hit_tokens"]
+
+        assert prefix_hit("key-a") == 0
+        assert prefix_hit("key-b") == 0
+        assert prefix_hit("key-a") > 0
+
+
 def test_least_loaded_target_first(tiny_dir):
     backends = [slow_target(tiny_dir, "t0", 0.2), slow_target(tiny_dir, "t1", 0.2)]
     with live(tiny_dir, backends) as gateway:

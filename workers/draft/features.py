@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from workers.draft.runner import Expansion, ModelDrafter
+from workers.engine.batch import SlotInput
 from workers.engine.engine import Engine
 from workers.engine.sessions import Session, SessionTable
 from workers.protocol import ProposeCall
@@ -39,26 +40,28 @@ class FeatureDrafter(ModelDrafter):
         """E, the target's hidden size (the head's too)."""
         return self.engine.model.shape.hidden_size
 
-    def start(self, call: ProposeCall, busy: set[str]) -> Expansion | None:
-        """`ModelDrafter.start`, refusing states of another width than the head's."""
+    def sync(self, call: ProposeCall, busy: set[str]) -> Session:
+        """`ModelDrafter.sync`, refusing states of another width than the head's."""
         if call.features is not None and call.features.states.shape[1] != self.width:
             raise ValueError(
                 f"hidden states of width {call.features.states.shape[1]}: this head feeds on "
                 f"{self.width}"
             )
-        return super().start(call, busy)
+        return super().sync(call, busy)
 
     def reuse(self, session: Session) -> None:
         """Drops last round's tree nodes: they were fed predicted states (module docstring)."""
         session.region_tokens, session.region_parents, session.region_fed = [], [], 0
 
-    def forward(self, expansions: list[Expansion]) -> list[torch.Tensor]:
+    def forward(
+        self, expansions: list[Expansion], chunks: list[tuple[ProposeCall, SlotInput]]
+    ) -> list[torch.Tensor]:
         rows = [self.row(x) for x in expansions]
-        fed = torch.cat(
-            [self.inputs(x, len(r.tokens)) for x, r in zip(expansions, rows, strict=True)]
-        )
-        out = self.engine.run(rows, fed)  # fed: (N, E)
-        for x, row, hidden in zip(expansions, rows, out.hidden, strict=True):
+        fed = [self.inputs(x, len(r.tokens)) for x, r in zip(expansions, rows, strict=True)]
+        for call, chunk in chunks:  # committed tokens at positions prefix_len, prefix_len + 1, ...
+            fed.append(self.states(call, chunk.prefix_len, len(chunk.tokens)))
+        out = self.engine.run(rows + [r for _, r in chunks], torch.cat(fed))  # fed: (N, E)
+        for x, row, hidden in zip(expansions, rows, out.hidden, strict=False):
             # hidden: (T, E); the last logits_for rows are the states after the plan's nodes
             for node, state in zip(x.plan, hidden[-row.logits_for :], strict=True):
                 x.features[node] = state
@@ -68,15 +71,18 @@ class FeatureDrafter(ModelDrafter):
 
     def inputs(self, x: Expansion, n: int) -> torch.Tensor:
         """The states paired with the `n` tokens `row(x)` feeds: (n, E) float32."""
-        session = x.session
-        if -1 in x.plan:  # level 0: committed tokens at positions cached .. cached + n - 1
-            features = x.call.features
-            positions = range(session.cached - 1, session.cached + n - 1)
-            if features is None:
-                return torch.zeros(n, self.width)
-            return features.at(positions, self.width)
+        if -1 in x.plan:  # level 0: the committed tokens not cached yet
+            return self.states(x.call, x.session.cached, n)
         # level >= 1: each node to expand, with what the head predicted after its parent
         return torch.stack([x.features[x.parent_of[node]].float().cpu() for node in x.plan])
+
+    def states(self, call: ProposeCall, first: int, n: int) -> torch.Tensor:
+        """(n, E) float32: the target's state before each committed token at positions
+        first .. first + n - 1 (the state of the position before it), zeros where the call
+        brings none."""
+        if call.features is None:
+            return torch.zeros(n, self.width)
+        return call.features.at(range(first - 1, first + n - 1), self.width)
 
 
 def keep(engine: Engine, session: Session) -> None:
@@ -87,6 +93,9 @@ def keep(engine: Engine, session: Session) -> None:
     session.region_tokens, session.region_parents, session.region_fed = [], [], 0
 
 
-def model_drafter(engine: Engine, table: SessionTable) -> ModelDrafter:
+def model_drafter(
+    engine: Engine, table: SessionTable, prefill_chunk: int | None = None
+) -> ModelDrafter:
     """The drafter for a draft engine: a feature drafter over an EAGLE head, else a model."""
-    return (FeatureDrafter if engine.model.takes_features else ModelDrafter)(engine, table)
+    kind = FeatureDrafter if engine.model.takes_features else ModelDrafter
+    return kind(engine, table, prefill_chunk)

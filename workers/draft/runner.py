@@ -5,9 +5,16 @@ forward per level for all sessions in the batch. The nodes it fed stay in
 its KV cache; next round, the part of them that the target accepted is kept
 (compacted) and the rest is overwritten. It shares its interface,
 `propose(calls) -> [TokenTree | Exception]`, with the model-free
-`NgramDrafter` (workers/draft/ngram.py) and the feature drafter built on it,
-`FeatureDrafter` (workers/draft/features.py), which overrides the hooks
-`reuse` (what of last round's region to keep) and `forward` (one level).
+`NgramDrafter` (workers/draft/ngram.py). The feature drafter
+(`FeatureDrafter`, workers/draft/features.py) is this expansion over an
+EAGLE-style head; it overrides the hooks `reuse` (what of last round's
+region to keep) and `forward` (one level).
+
+With `prefill_chunk`, a session whose uncached history is longer than that
+(a long prompt arriving) is fed a chunk of it per step, beside the other
+sessions' first level, and answered `UNFINISHED` until the rest fits in one
+chunk: the batcher runs the same call again in its next batch, so the other
+sessions' proposals go on between the chunks (as the target's verify does).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch
 from workers.engine.batch import SlotInput
 from workers.engine.engine import Engine
 from workers.engine.sessions import Session, SessionTable
-from workers.protocol import ProposeCall, WorkerInfo
+from workers.protocol import UNFINISHED, ProposeCall, Unfinished, WorkerInfo
 from workers.speculation.policy import TreeBuilder, TreePolicy, choose_children, tree_policy
 from workers.speculation.sampling import DRAFT_STREAM, round_generator, tempered
 from workers.speculation.tree import TokenTree, check_tokens
@@ -61,17 +68,35 @@ def absorb(engine: Engine, session: Session) -> None:
 
 
 class ModelDrafter:
-    def __init__(self, engine: Engine, table: SessionTable):
+    def __init__(self, engine: Engine, table: SessionTable, prefill_chunk: int | None = None):
         self.engine = engine
         self.table = table
         table.attach(engine.cache)
+        self.prefill_chunk = prefill_chunk  # most history tokens fed per step; None = all
+        self.chunking: dict[str, ProposeCall] = {}  # session -> its call being prefilled
 
-    def start(self, call: ProposeCall, busy: set[str]) -> Expansion | None:
-        """Syncs the session; returns its expansion, or None when no tree is wanted."""
+    def sync(self, call: ProposeCall, busy: set[str]) -> Session:
+        """Checks the call and brings its session up to date, unless this is its next chunk."""
+        if self.chunking.pop(call.session_id, None) is call:
+            session = self.table.get(call.session_id)
+            self.table.touch(session)
+            return session
         check_tokens(call.tokens, self.engine.vocab_size)
         synced = self.table.sync(call.session_id, call.base_len, call.tokens, busy, rollback=True)
-        session = synced.session
-        self.reuse(session)
+        self.reuse(synced.session)
+        return synced.session
+
+    def chunk(self, call: ProposeCall, session: Session, busy: set[str]) -> SlotInput | None:
+        """The next prefill chunk of a session with more uncached history than one chunk."""
+        if not self.prefill_chunk or len(session.pending) <= self.prefill_chunk:
+            return None
+        fed = session.pending[: self.prefill_chunk]
+        self.table.reserve(session, session.cached + len(fed), busy)
+        self.chunking[call.session_id] = call
+        return SlotInput(session.slot, session.cached, list(range(-1, len(fed) - 1)), fed, 0)
+
+    def start(self, call: ProposeCall, session: Session, busy: set[str]) -> Expansion | None:
+        """The session's expansion, or None when no tree is wanted."""
         if session.cached == len(session.committed):  # the root must be fed for its logits
             session.cached -= 1
         spec = call.spec
@@ -89,13 +114,21 @@ class ModelDrafter:
         expansion.plan = policy.expand_plan(expansion.builder, 0)
         return expansion
 
-    def propose(self, calls: list[ProposeCall]) -> list[TokenTree | Exception]:
-        results: list[TokenTree | Exception | None] = [None] * len(calls)
+    def propose(self, calls: list[ProposeCall]) -> list[TokenTree | Unfinished | Exception]:
+        """Drafts every call's tree, one forward per level for all of them; a bad call gets
+        its own exception, a call whose history is still being prefilled `UNFINISHED`."""
+        results: list[TokenTree | Unfinished | Exception | None] = [None] * len(calls)
         busy = {c.session_id for c in calls}
         active: list[tuple[int, Expansion]] = []
+        chunks: list[tuple[int, Session, SlotInput]] = []  # fed beside the first level
         for i, call in enumerate(calls):
             try:
-                expansion = self.start(call, busy)
+                session = self.sync(call, busy)
+                row = self.chunk(call, session, busy)
+                if row is not None:
+                    chunks.append((i, session, row))
+                    continue
+                expansion = self.start(call, session, busy)
                 if expansion is None:
                     results[i] = TokenTree.empty()
                 else:
@@ -103,10 +136,14 @@ class ModelDrafter:
             except Exception as error:  # noqa: BLE001 - returned to that caller only
                 results[i] = error
         level = 0
-        while active:
-            logits = self.forward([x for _, x in active])
+        while active or chunks:
+            logits = self.forward([x for _, x in active], [(calls[i], r) for i, _, r in chunks])
+            for i, session, row in chunks:
+                session.cached += len(row.tokens)
+                results[i] = UNFINISHED
+            chunks = []
             still = []
-            for (i, x), out in zip(active, logits, strict=True):
+            for (i, x), out in zip(active, logits[: len(active)], strict=True):
                 x.session.region_fed = len(x.session.region_tokens)
                 self.grow(x, out)
                 x.plan = (
@@ -125,9 +162,12 @@ class ModelDrafter:
         """Keeps what last round's region has on the committed path."""
         absorb(self.engine, session)
 
-    def forward(self, expansions: list[Expansion]) -> list[torch.Tensor]:
-        """One level for every expansion: logits (len(plan), V) each, in plan order."""
-        return self.engine.forward([self.row(x) for x in expansions])
+    def forward(
+        self, expansions: list[Expansion], chunks: list[tuple[ProposeCall, SlotInput]]
+    ) -> list[torch.Tensor]:
+        """One level for every expansion, with the prefill chunks fed beside it: logits
+        (len(plan), V) per expansion in plan order, then (0, V) per chunk."""
+        return self.engine.forward([self.row(x) for x in expansions] + [r for _, r in chunks])
 
     def row(self, x: Expansion) -> SlotInput:
         """Feeds the nodes to expand (the pending tokens at level 0)."""
@@ -169,6 +209,7 @@ class ModelDrafter:
                 x.parent_of[child] = node
 
     def end(self, session_id: str) -> bool:
+        self.chunking.pop(session_id, None)
         return self.table.end(session_id)
 
     def info(self) -> WorkerInfo:

@@ -76,16 +76,19 @@ def fit_spec(spec: TreeSpec, history_len: int, cache_len: int) -> TreeSpec:
     return spec if depth == spec.depth else replace(spec, depth=depth)
 
 
-def propose_cost(call: ProposeCall) -> int:
-    """Tokens a call feeds, at most: what it brings plus one level of nodes per depth."""
-    return len(call.tokens) + call.spec.depth * call.spec.branching + 1
+def brought(tokens: list[int], prefill_chunk: int | None) -> int:
+    """History tokens a call feeds in one step: all, or one chunk when prefilled in chunks."""
+    return len(tokens) if prefill_chunk is None else min(len(tokens), prefill_chunk)
+
+
+def propose_cost(call: ProposeCall, prefill_chunk: int | None = None) -> int:
+    """Tokens a call feeds in one step, at most: what it brings plus one level per depth."""
+    return brought(call.tokens, prefill_chunk) + call.spec.depth * call.spec.branching + 1
 
 
 def verify_cost(call: VerifyCall, prefill_chunk: int | None = None) -> int:
-    """Tokens a call feeds in one step, at most: what it brings (one chunk of it when long
-    prompts are prefilled in chunks) plus its tree and the re-fed root."""
-    tokens = len(call.tokens) if prefill_chunk is None else min(len(call.tokens), prefill_chunk)
-    return tokens + len(call.tree) + 1
+    """Tokens a call feeds in one step, at most: what it brings plus its tree and the root."""
+    return brought(call.tokens, prefill_chunk) + len(call.tree) + 1
 
 
 class WorkerServicer(pb_grpc.DraftServiceServicer, pb_grpc.TargetServiceServicer):
@@ -138,10 +141,10 @@ def runner_for(
         return NgramDrafter(SessionTable(settings.max_sessions, idle_s)), 0
     metered = MeteredEngine(engine, metrics.observe_forward)
     table = SessionTable(engine.num_slots, idle_s)
+    chunk = settings.prefill_chunk or None
     if role == "target":
-        chunk = settings.prefill_chunk or None
         return TargetRunner(metered, table, settings.max_tree_nodes, chunk), 0
-    return model_drafter(metered, table), engine.context_length + engine.max_tree_nodes
+    return model_drafter(metered, table, chunk), engine.context_length + engine.max_tree_nodes
 
 
 async def serve_role(role: Role, engine: Engine | None, settings: WorkerSettings) -> WorkerServer:
@@ -150,13 +153,12 @@ async def serve_role(role: Role, engine: Engine | None, settings: WorkerSettings
     runner, cache_len = runner_for(role, engine, settings, metrics)
     thread = EngineThread(f"{role}-engine")
     target = role == "target"
+    chunk = (settings.prefill_chunk or None) if engine is not None else None
     batcher = Batcher(
         runner.verify if target else runner.propose,
         thread,
         key=lambda call: call.session_id,
-        cost=partial(verify_cost, prefill_chunk=settings.prefill_chunk or None)
-        if target
-        else propose_cost,
+        cost=partial(verify_cost if target else propose_cost, prefill_chunk=chunk),
         wait_s=settings.batch_wait_ms / 1000,
         max_tokens=settings.max_batch_tokens,
         on_batch=metrics.observe_batch,
