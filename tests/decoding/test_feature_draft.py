@@ -147,6 +147,16 @@ def test_the_target_returns_its_states_of_the_committed_positions():
     assert plain.hidden is None  # nobody asked: nothing is sent
 
 
+def test_a_long_prefill_returns_only_its_newest_states_within_the_byte_budget():
+    prompt = PROMPTS[1]  # 12 tokens; a budget of 5 rows of 64 bfloat16 values
+    runner = TargetRunner(tiny_engine(seed=0, slots=2), SessionTable(2), hidden_bytes=5 * 128)
+    call = VerifyCall("s", 0, prompt, TokenTree.empty(), GREEDY, return_hidden=True)
+    (out,) = runner.verify([call])
+    assert out.hidden.start == len(prompt) - 5 and out.hidden.end == len(prompt)
+    (whole,) = TargetRunner(tiny_engine(seed=0, slots=2), SessionTable(2)).verify([call])
+    assert torch.equal(out.hidden.states, whole.hidden.states[-5:])
+
+
 def test_hidden_states_round_trip_the_wire_bit_for_bit():
     values = torch.randn(5, 64) * torch.logspace(-40, 38, 64)  # (5, E): tiny to huge
     values[0, :4] = torch.tensor([float("inf"), float("-inf"), -0.0, float("nan")])

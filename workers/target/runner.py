@@ -16,8 +16,9 @@ a chunk's keys and values are those the whole prompt would have written.
 
 A call with `return_hidden` (a session whose draft is a feature draft) also
 gets the final hidden states (before the final norm) of the positions it
-committed: every token fed this step but the bonus token, as bfloat16
-`Features` (workers/protocol/calls.py). Other calls get none.
+committed: every token fed this step but the bonus token (the newest
+`HIDDEN_BYTES` worth of them), as bfloat16 `Features` (workers/protocol/calls.py).
+Other calls get none.
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ def region(pending: list[int], tree: TokenTree) -> tuple[list[int], list[int]]:
     return pending + tree.tokens.tolist(), parents
 
 
+# Most bytes of hidden states one Verify returns: a whole long prompt fed at once (no
+# --prefill-chunk) sends only its newest positions' states; a feature draft feeds the
+# older ones zeros. 16 MiB: 14,563 positions of a 576-wide model, 2,048 of a 4,096-wide one.
+HIDDEN_BYTES = 16 << 20
+
+
 class TargetRunner:
     def __init__(
         self,
@@ -67,12 +74,14 @@ class TargetRunner:
         table: SessionTable,
         max_tree_nodes: int | None = None,
         prefill_chunk: int | None = None,
+        hidden_bytes: int = HIDDEN_BYTES,
     ):
         self.engine = engine
         self.table = table
         table.attach(engine.cache)
         self.max_tree_nodes = min(max_tree_nodes or engine.max_tree_nodes, engine.max_tree_nodes)
         self.prefill_chunk = prefill_chunk  # most pending tokens fed per step; None = all
+        self.hidden_bytes = hidden_bytes  # most bytes of hidden states one call returns
         # session -> (its call being prefilled in chunks, that call's prefix hit)
         self.chunking: dict[str, tuple[VerifyCall, int]] = {}
 
@@ -154,7 +163,9 @@ class TargetRunner:
             logprobs = token_logprobs(logits[rows], emitted, call.num_logprobs)
         features = None
         if call.return_hidden:  # the states of the positions kept: all but the bonus token's
-            features = Features(start, hidden[keep].to(FEATURE_DTYPE).cpu())
+            rows = keep[-max(1, self.hidden_bytes // (2 * hidden.shape[1])) :]  # the newest
+            first = start + len(keep) - len(rows)
+            features = Features(first, hidden[rows].to(FEATURE_DTYPE).cpu())
         return VerifyOutcome(verdict.accepted, emitted, logprobs, p.prefix_hit, hidden=features)
 
     def end(self, session_id: str) -> bool:
