@@ -167,6 +167,8 @@ def test_hidden_states_round_trip_the_wire_bit_for_bit():
     back = convert.verify_outcome(wire).hidden
     assert back.start == 7 and back.states.dtype == FEATURE_DTYPE
     assert torch.equal(back.states.view(torch.int16), states.view(torch.int16))
+    empty = Features(3, torch.empty(0, 64, dtype=FEATURE_DTYPE))
+    assert convert.features_from_proto(convert.features_to_proto(empty)).states.shape == (0, 64)
 
 
 async def test_hidden_states_over_grpc_equal_the_in_process_ones():

@@ -76,6 +76,8 @@ def features_from_proto(msg: pb.HiddenStates) -> Features:
             f"hidden states of {msg.rows} x {msg.width} need {2 * msg.rows * msg.width} bytes, "
             f"got {len(msg.data)}"
         )
+    if not msg.data:
+        return Features(msg.start, torch.empty(msg.rows, msg.width, dtype=FEATURE_DTYPE))
     bits = torch.frombuffer(bytearray(msg.data), dtype=torch.int16)  # (R * E,) little-endian
     states = bits.view(FEATURE_DTYPE).view(msg.rows, msg.width)  # (R, E)
     return Features(msg.start, states)
