@@ -4,9 +4,9 @@ The head (workers/engine/eagle.py) pairs each token it is fed with a hidden
 state: a committed token t with the target's own state at t - 1, taken from
 the call's `features` (the states the target returned with its latest
 Verify); a tree node with the state the head itself predicted at its parent
-one level earlier. The tree is sampled and carries its q rows exactly as a
-model draft's (`ModelDrafter.grow`), so verification stays lossless whatever
-the head predicts.
+one level earlier. Children are chosen as a model draft's are
+(`ModelDrafter.grow`): a sampled tree carries the q rows its children were
+drawn from, so verification stays lossless whatever the head predicts.
 
 Its KV cache differs from a model draft's in what it keeps:
 - the committed tokens a call brings are kept as soon as they are fed,
@@ -17,8 +17,9 @@ Its KV cache differs from a model draft's in what it keeps:
 
 A session this worker lost (restart, eviction, a failover to it) comes back
 with its full history but only the latest round's states: older tokens are
-fed with zero states. Their cache entries carry less, so acceptance is lower
-until the session's recent tokens dominate; the tokens are still the same.
+fed with zero states (so is a token whose state a call does not bring for any
+other reason). Their cache entries carry less, so acceptance is lower until
+the session's recent tokens dominate; the output is still the target's.
 """
 
 from __future__ import annotations
