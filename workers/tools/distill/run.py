@@ -20,6 +20,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -28,6 +29,7 @@ from pydantic_settings import BaseSettings
 from workers.engine.engine import Engine, EngineConfig
 from workers.settings import EMBEDDED_MODEL, parse, settings_config
 from workers.tools.distill.data import DataSpec, Example, Teacher, collect, duration
+from workers.tools.distill.eagle import export_eagle, train_eagle
 from workers.tools.distill.model import (
     DraftTrainer,
     choose_vocab,
@@ -46,12 +48,18 @@ TRAIN_RECIPE = (
     *("layers", "hidden", "intermediate", "vocab_top", "tokens", "eval_prompts", "steps"),
     *("batch_size", "lr", "prompt_weight"),
 )
+EAGLE_RECIPE = ("method", "steps", "batch_size", "lr")  # what an EAGLE head's training depends on
 
 
 class DistillSettings(BaseSettings):
     model_config = settings_config("distill")
 
     target: str = Field(EMBEDDED_MODEL, description="alias, directory, .gguf or HF id")
+    method: Literal["model", "eagle"] = Field(
+        "model",
+        description="model: a small LM (--layers, --hidden, --vocab-top); eagle: an EAGLE-style "
+        "feature head, one layer fed the target's hidden states (workers/engine/eagle.py)",
+    )
     out: Path = Field(description="draft directory to write; checkpoints go to OUT/checkpoint")
     layers: int = Field(2, ge=1, description="decoder layers (the target's first ones)")
     hidden: int = Field(144, ge=1, description="draft width, a multiple of the target's heads")
@@ -105,6 +113,8 @@ def distill(s: DistillSettings, log=print) -> dict | None:
 
     spec = DataSpec(s.tokens, s.eval_prompts, s.max_new_tokens, s.gen_batch, s.top_k, s.seed)
     examples, heldout = collect(folder / "data", spec, teacher, log)
+    if s.method == "eagle":
+        return distill_eagle(s, target_hf(), path, examples, heldout, log)
     kept = choose_vocab(examples, target_config.vocab_size, s.vocab_top, tokenizer.all_special_ids)
     config = draft_config(target_config, s.layers, s.hidden, s.intermediate)
     torch.manual_seed(s.seed)
@@ -149,6 +159,36 @@ def distill(s: DistillSettings, log=print) -> dict | None:
     return report
 
 
+def distill_eagle(s: DistillSettings, target_hf, path: Path, examples, heldout, log) -> dict | None:
+    """Trains, exports and reports an EAGLE-style head (workers/tools/distill/eagle.py)."""
+    steps = TrainSpec(s.steps, s.batch_size, s.lr, 0.0, s.checkpoint_every, s.seed)
+    trained = train_eagle(
+        target_hf, examples, heldout, steps, s.out / "checkpoint", log, s.stop_after
+    )
+    if trained is None:
+        return None
+    trainer, held = trained
+    export_eagle(trainer, s.out, path, SAVE_DTYPES[s.save_dtype])
+    state = torch.load(s.out / "checkpoint" / "eagle.pt", weights_only=False)
+    report = {
+        "target": s.target,
+        "method": "eagle",
+        "recipe": {name: getattr(s, name) for name in (*DATA_RECIPE, *EAGLE_RECIPE)},
+        "train_prompts": len(examples),
+        "train_answer_tokens": sum(e.answer_len for e in examples),
+        "heldout": held,
+        "train_seconds": round(state["elapsed_s"], 1),
+        "size_bytes": sum(f.stat().st_size for f in s.out.glob("*.safetensors")),
+    }
+    (s.out / "distill.json").write_text(json.dumps(report, indent=2) + "\n")
+    log(
+        f"done: held-out agreement of the head (fed the target's states) with the target's "
+        f"greedy token: top-1 {held['top1']:.3f}, top-{TOP} {held[f'top{TOP}']:.3f}; "
+        f"saved {s.out} ({report['size_bytes'] / 1e6:.1f} MB)"
+    )
+    return report
+
+
 def saved_agreement(model, heldout: list[Example], trainer: DraftTrainer) -> dict:
     """Agreement of the exported directory itself (full-vocabulary logits, as served)."""
     unkept = [0]
@@ -176,7 +216,8 @@ def _millions(module: torch.nn.Module) -> float:
 def _check_recipe(folder: Path, s: DistillSettings) -> None:
     """Refuses to mix a checkpoint's work with different options; records them on first use."""
     meta = folder / "recipe.json"
-    recipe = {name: _jsonable(getattr(s, name)) for name in (*DATA_RECIPE, *TRAIN_RECIPE)}
+    names, state = (EAGLE_RECIPE, "eagle.pt") if s.method == "eagle" else (TRAIN_RECIPE, "state.pt")
+    recipe = {name: _jsonable(getattr(s, name)) for name in (*DATA_RECIPE, *names)}
     if meta.is_file():
         old = json.loads(meta.read_text())
         data_diff = [n for n in DATA_RECIPE if old.get(n) != recipe[n]]
@@ -185,12 +226,12 @@ def _check_recipe(folder: Path, s: DistillSettings) -> None:
                 f"{folder} holds data made with other options ({_diff(old, recipe, data_diff)}); "
                 f"pass the same options or use another --out"
             )
-        train_diff = [n for n in TRAIN_RECIPE if old.get(n) != recipe[n]]
-        if train_diff and (folder / "state.pt").is_file():
+        train_diff = [n for n in names if old.get(n) != recipe[n]]
+        if train_diff and (folder / state).is_file():
             raise ValueError(
-                f"{folder}/state.pt was trained with other options "
+                f"{folder}/{state} was trained with other options "
                 f"({_diff(old, recipe, train_diff)}); pass the same options, or delete "
-                f"state.pt to train again on the cached data"
+                f"{state} to train again on the cached data"
             )
     folder.mkdir(parents=True, exist_ok=True)
     meta.write_text(json.dumps(recipe, indent=2) + "\n")

@@ -1,0 +1,55 @@
+"""`specsplit distill --method eagle` on a tiny random target: the head it saves is a feature
+draft that speculates losslessly, training lowers its loss, and a stopped run resumes to
+the very weights of a run that never stopped."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+from safetensors.torch import load_file
+
+from tests.distill.test_distill import settings
+from workers.engine.eagle import draft_kind
+from workers.engine.engine import EngineConfig
+from workers.engine.text import encode_chat
+from workers.loop.inprocess import build_local
+from workers.protocol import TreeSpec
+from workers.speculation.sampling import SamplingParams
+from workers.tools.distill import prompts
+from workers.tools.distill.run import distill
+
+EAGLE = dict(method="eagle", steps=6, checkpoint_every=3, lr=3e-3)
+
+
+def test_a_trained_head_speculates_losslessly_and_learns(tiny_target, tmp_path):
+    out = tmp_path / "head"
+    logs: list[str] = []
+    report = distill(settings(tiny_target, out, **EAGLE), log=logs.append)
+    assert report["method"] == "eagle" and draft_kind(out) == "eagle"
+    losses = [float(m) for line in logs for m in re.findall(r"loss ([0-9.]+)", line)]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    assert json.loads((out / "distill.json").read_text())["heldout"] == report["heldout"]
+
+    target = EngineConfig(model=str(tiny_target), max_sessions=2, max_seq_len=256)
+    plain, engine = build_local(target, "none")
+    texts = prompts.take("heldout", 0, 3)
+    chats = [encode_chat(engine.tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    expected = [plain.generate(ids, 20, SamplingParams()).token_ids for ids in chats]
+    speculative, _ = build_local(target, str(out), TreeSpec(depth=3, branching=2, budget=6))
+    runs = [speculative.generate(ids, 20, SamplingParams()) for ids in chats]
+    assert [r.token_ids for r in runs] == expected
+    assert sum(r.stats.draft_tokens for r in runs) > 0
+
+
+def test_an_interrupted_head_resumes_to_the_same_weights(tiny_target, tmp_path):
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    assert distill(settings(tiny_target, whole, **EAGLE), log=lambda _: None) is not None
+    assert distill(settings(tiny_target, stopped, stop_after=3, **EAGLE), log=print) is None
+    logs: list[str] = []
+    distill(settings(tiny_target, stopped, **EAGLE), log=logs.append)
+    assert "eagle: resuming from step 3 of 6" in logs
+    for name in ("model.safetensors", "eagle_fuse.safetensors"):
+        a, b = load_file(whole / name), load_file(stopped / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

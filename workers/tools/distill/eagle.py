@@ -1,0 +1,210 @@
+"""`specsplit distill --method eagle`: train an EAGLE-style feature head for a target.
+
+The data is the model method's (the target's greedy answers to templated chat
+prompts, with its top-k next-token distributions, OUT/checkpoint/data/). The
+head (workers/engine/eagle.py) learns what the target computes next: fed the
+target's state at position t and token t + 1, it regresses the target's state
+at t + 1 (smooth L1, EAGLE's loss) and, read out through the target's final
+norm and LM head, the target's next-token distribution over its top-k
+(cross-entropy, weight CLS_WEIGHT). Training feeds the target's own states
+(teacher forcing), as a served head gets them for every committed token.
+
+The embedding, final norm and LM head are the target's and stay frozen; the
+fuse and the one decoder layer train. Checkpoints (OUT/checkpoint/eagle.pt)
+and batches work as the model method's (workers/tools/distill/train.py), so a
+stopped run resumes to the same weights.
+
+Shapes: B sequences, T positions, E the target's hidden size, k top-k.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.engine.eagle import init_eagle_head, save_eagle_head
+from workers.tools.distill.data import Example, Log, duration
+from workers.tools.distill.train import (
+    TOP,
+    Checkpoint,
+    TrainSpec,
+    epoch_batches,
+    lr_at,
+    make_optimizer,
+)
+
+CLS_WEIGHT = 0.1  # EAGLE's weight of the token loss beside the state regression
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def last_layer_output(model, **inputs) -> torch.Tensor:
+    """The output of a transformers Llama's last decoder layer (before the final norm)."""
+    seen: list[torch.Tensor] = []
+
+    def grab(module, args, output):
+        seen.append(output[0] if isinstance(output, tuple) else output)
+
+    handle = model.model.layers[-1].register_forward_hook(grab)
+    try:
+        model.model(**inputs)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+@torch.no_grad()
+def target_states(target_hf, examples: list[Example]) -> list[torch.Tensor]:
+    """The target's state after every token of each example: (N, E) bfloat16 each."""
+    return [
+        last_layer_output(target_hf, input_ids=torch.tensor([e.ids]))[0].to(torch.bfloat16)
+        for e in examples
+    ]
+
+
+class EagleTrainer(nn.Module):
+    """A head while it trains: the fuse and the layer learn, the target's parts are frozen."""
+
+    def __init__(self, target_hf, seed: int):
+        super().__init__()
+        self.head, fuse = init_eagle_head(target_hf, seed)
+        self.head.requires_grad_(False)
+        self.head.model.layers.requires_grad_(True)
+        self.fuse = fuse.requires_grad_(True)
+
+    def forward(self, ids, states, mask) -> torch.Tensor:
+        """The predicted state at positions 1 .. T - 1 from (state t, token t + 1) pairs.
+
+        ids, mask: (B, T) long; states: (B, T, E) the target's -> (B, T - 1, E)
+        """
+        embeds = self.head.model.embed_tokens(ids[:, 1:])  # (B, T-1, E)
+        x = self.fuse(torch.cat([states[:, :-1], embeds], dim=-1))  # (B, T-1, E)
+        positions = torch.arange(1, ids.shape[1])[None].expand(ids.shape[0], -1)  # (B, T-1)
+        return last_layer_output(
+            self.head, inputs_embeds=x, position_ids=positions, attention_mask=mask[:, 1:]
+        )
+
+    def logits_at(self, predicted: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """predicted (P, E), token_ids (P, k) -> (P, k): the head's logits of those tokens."""
+        normed = self.head.model.norm(predicted)  # (P, E)
+        rows = self.head.lm_head.weight[token_ids]  # (P, k, E)
+        return torch.einsum("pke,pe->pk", rows, normed)
+
+
+def collate(examples: list[Example], states: list[torch.Tensor]):
+    """Right-padded (ids, states, mask, top_ids, top_p, answer) of a batch; the last four
+    are for predicted positions 1 .. T - 1 (predicting the token after each)."""
+    width = max(len(e.ids) for e in examples)  # T
+    b, e_dim, k = len(examples), states[0].shape[1], examples[0].top_ids.shape[1]
+    ids = torch.zeros(b, width, dtype=torch.long)
+    mask = torch.zeros(b, width, dtype=torch.long)
+    feats = torch.zeros(b, width, e_dim)
+    top_ids = torch.zeros(b, width - 1, k, dtype=torch.long)
+    top_p = torch.zeros(b, width - 1, k)
+    answer = torch.zeros(b, width - 1, dtype=torch.bool)
+    for i, (e, s) in enumerate(zip(examples, states, strict=True)):
+        n = len(e.ids)
+        ids[i, :n], mask[i, :n], feats[i, :n] = torch.tensor(e.ids), 1, s.float()
+        # predicted position j + 1 guesses ids[j + 2]: the target's top-k after ids[: j + 2]
+        top_ids[i, : n - 2] = e.top_ids[1:]
+        top_p[i, : n - 2] = e.top_logp[1:].softmax(-1)
+        answer[i, max(0, e.prompt_len - 2) : n - 2] = True
+    return ids, feats, mask, top_ids, top_p, answer
+
+
+def loss_of(trainer: EagleTrainer, batch) -> torch.Tensor:
+    ids, feats, mask, top_ids, top_p, answer = batch
+    predicted = trainer(ids, feats, mask)  # (B, T-1, E)
+    valid = mask[:, 1:] > 0  # (B, T-1)
+    regression = F.smooth_l1_loss(predicted[valid], feats[:, 1:][valid])
+    logits = trainer.logits_at(predicted[answer], top_ids[answer])  # (P, k)
+    cls = -(top_p[answer] * logits.log_softmax(-1)).sum(-1).mean()
+    return regression + CLS_WEIGHT * cls
+
+
+@torch.no_grad()
+def agreement(trainer: EagleTrainer, heldout: list[Example], states) -> dict:
+    """How often the head's top-1 / top-TOP holds the target's greedy token on answer
+    positions, fed the target's states (as served: one head step after committed tokens)."""
+    trainer.eval()
+    hits1 = hits3 = positions = 0
+    for e, s in zip(heldout, states, strict=True):
+        ids, feats, mask, top_ids, _, answer = collate([e], [s])
+        predicted = trainer(ids, feats, mask)[answer]  # (P, E)
+        logits = trainer.head.lm_head(trainer.head.model.norm(predicted))  # (P, V)
+        guesses = logits.topk(TOP, dim=-1).indices  # (P, TOP)
+        greedy = top_ids[answer][:, 0]  # (P,)
+        hits1 += int((guesses[:, 0] == greedy).sum())
+        hits3 += int((guesses == greedy[:, None]).any(-1).sum())
+        positions += len(greedy)
+    trainer.train()
+    return {"top1": hits1 / max(1, positions), f"top{TOP}": hits3 / max(1, positions)}
+
+
+def train_eagle(
+    target_hf,
+    examples: list[Example],
+    heldout: list[Example],
+    spec: TrainSpec,
+    folder: Path,
+    log: Log,
+    stop_after: int | None = None,
+) -> tuple[EagleTrainer, dict] | None:
+    """Trains (or resumes) a head; returns it and its held-out agreement, or None when it
+    stopped at `stop_after`."""
+    log(f"eagle: the target's states over {len(examples) + len(heldout)} sequences")
+    states, held_states = target_states(target_hf, examples), target_states(target_hf, heldout)
+    torch.manual_seed(spec.seed)
+    trainer = EagleTrainer(target_hf, spec.seed)
+    trainable = [p for p in trainer.parameters() if p.requires_grad]
+    optimizer = make_optimizer(nn.ParameterList(trainable), spec.lr)
+    checkpoint, step, elapsed = Checkpoint(folder / "eagle.pt"), 0, 0.0
+    if checkpoint.path.is_file():
+        step, elapsed = checkpoint.load(trainer, optimizer)
+        log(f"eagle: resuming from step {step} of {spec.steps}")
+    lengths = [len(e.ids) for e in examples]
+    per_epoch = len(epoch_batches(lengths, spec.batch_size, spec.seed, 0))
+    trainer.train()
+    losses: list[float] = []
+    while step < spec.steps:
+        if stop_after is not None and step >= stop_after:
+            checkpoint.save(step, trainer, optimizer, elapsed)
+            log(f"eagle: stopped at step {step} (--stop-after); run again to resume")
+            return None
+        start = time.perf_counter()
+        epoch, index = divmod(step, per_epoch)
+        chosen = epoch_batches(lengths, spec.batch_size, spec.seed, epoch)[index]
+        batch = collate([examples[i] for i in chosen], [states[i] for i in chosen])
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, spec)
+        loss = loss_of(trainer, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        elapsed += time.perf_counter() - start
+        losses.append(loss.item())
+        if step % spec.checkpoint_every == 0 or step == spec.steps:
+            checkpoint.save(step, trainer, optimizer, elapsed)
+            held = agreement(trainer, heldout, held_states)
+            log(
+                f"eagle: step {step}/{spec.steps}, loss {sum(losses) / len(losses):.3f}, "
+                f"held-out top-1 {held['top1']:.3f} top-{TOP} {held[f'top{TOP}']:.3f}, "
+                f"{duration(elapsed)} of training"
+            )
+            losses = []
+    return trainer, agreement(trainer, heldout, held_states)
+
+
+def export_eagle(trainer: EagleTrainer, out: Path, tokenizer_dir: Path, dtype) -> None:
+    """Writes `out` as a head directory (workers/engine/eagle.py) with the target's tokenizer."""
+    trainer.head.to(dtype)
+    trainer.fuse.to(dtype)
+    save_eagle_head(out, trainer.head, trainer.fuse)
+    for name in TOKENIZER_FILES:  # copied as they are: the tokenizer fingerprints must match
+        if (tokenizer_dir / name).is_file():
+            (out / name).write_bytes((tokenizer_dir / name).read_bytes())
