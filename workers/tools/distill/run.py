@@ -12,6 +12,10 @@ Steps, each resumable:
   5. report: top-1 / top-3 agreement of the saved draft with the target's greedy token on
      held-out prompts, printed and written to OUT/distill.json.
 Run the same command again after an interruption and it goes on where it stopped.
+
+`--method eagle` keeps step 1 and trains an EAGLE-style feature head instead
+(workers/tools/distill/eagle.py): no vocabulary step, its own checkpoint
+(OUT/checkpoint/eagle.pt), and OUT becomes a head directory (workers/engine/eagle.py).
 """
 
 from __future__ import annotations
