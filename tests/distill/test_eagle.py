@@ -27,7 +27,7 @@ def test_a_trained_head_speculates_losslessly_and_learns(tiny_target, tmp_path):
     out = tmp_path / "head"
     logs: list[str] = []
     report = distill(settings(tiny_target, out, **EAGLE), log=logs.append)
-    assert report["method"] == "eagle" and draft_kind(out) == "eagle"
+    assert report["recipe"]["method"] == "eagle" and draft_kind(out) == "eagle"
     losses = [float(m) for line in logs for m in re.findall(r"loss ([0-9.]+)", line)]
     assert len(losses) == 2 and losses[1] < losses[0]
     assert json.loads((out / "distill.json").read_text())["heldout"] == report["heldout"]

@@ -19,7 +19,6 @@ Shapes: B sequences, T positions, E the target's hidden size, k top-k.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -27,15 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.engine.eagle import init_eagle_head, save_eagle_head
-from workers.tools.distill.data import Example, Log, duration
-from workers.tools.distill.train import (
-    TOP,
-    Checkpoint,
-    TrainSpec,
-    epoch_batches,
-    lr_at,
-    make_optimizer,
-)
+from workers.tools.distill.data import Example, Log
+from workers.tools.distill.train import TOP, Checkpoint, Objective, TrainSpec, train
 
 CLS_WEIGHT = 0.1  # EAGLE's weight of the token loss beside the state regression
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -159,44 +151,19 @@ def train_eagle(
     states, held_states = target_states(target_hf, examples), target_states(target_hf, heldout)
     torch.manual_seed(spec.seed)
     trainer = EagleTrainer(target_hf, spec.seed)
-    trainable = [p for p in trainer.parameters() if p.requires_grad]
-    optimizer = make_optimizer(nn.ParameterList(trainable), spec.lr)
-    checkpoint, step, elapsed = Checkpoint(folder / "eagle.pt"), 0, 0.0
-    if checkpoint.path.is_file():
-        step, elapsed = checkpoint.load(trainer, optimizer)
-        log(f"eagle: resuming from step {step} of {spec.steps}")
+
+    def loss(chosen: list[int]) -> torch.Tensor:
+        return loss_of(trainer, collate([examples[i] for i in chosen], [states[i] for i in chosen]))
+
+    def held_out() -> tuple[float, float]:
+        held = agreement(trainer, heldout, held_states)
+        return held["top1"], held[f"top{TOP}"]
+
+    objective = Objective(loss, held_out, label="eagle", loss_name="loss")
     lengths = [len(e.ids) for e in examples]
-    per_epoch = len(epoch_batches(lengths, spec.batch_size, spec.seed, 0))
-    trainer.train()
-    losses: list[float] = []
-    while step < spec.steps:
-        if stop_after is not None and step >= stop_after:
-            checkpoint.save(step, trainer, optimizer, elapsed)
-            log(f"eagle: stopped at step {step} (--stop-after); run again to resume")
-            return None
-        start = time.perf_counter()
-        epoch, index = divmod(step, per_epoch)
-        chosen = epoch_batches(lengths, spec.batch_size, spec.seed, epoch)[index]
-        batch = collate([examples[i] for i in chosen], [states[i] for i in chosen])
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, spec)
-        loss = loss_of(trainer, batch)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        elapsed += time.perf_counter() - start
-        losses.append(loss.item())
-        if step % spec.checkpoint_every == 0 or step == spec.steps:
-            checkpoint.save(step, trainer, optimizer, elapsed)
-            held = agreement(trainer, heldout, held_states)
-            log(
-                f"eagle: step {step}/{spec.steps}, loss {sum(losses) / len(losses):.3f}, "
-                f"held-out top-1 {held['top1']:.3f} top-{TOP} {held[f'top{TOP}']:.3f}, "
-                f"{duration(elapsed)} of training"
-            )
-            losses = []
+    checkpoint = Checkpoint(folder / "eagle.pt")
+    if not train(trainer, lengths, spec, checkpoint, objective, log, stop_after):
+        return None
     return trainer, agreement(trainer, heldout, held_states)
 
 

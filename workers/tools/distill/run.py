@@ -42,7 +42,14 @@ from workers.tools.distill.model import (
     init_from_target,
     residual_axes,
 )
-from workers.tools.distill.train import TOP, Checkpoint, TrainSpec, agreement, train
+from workers.tools.distill.train import (
+    TOP,
+    Checkpoint,
+    TrainSpec,
+    agreement,
+    kl_objective,
+    train,
+)
 
 INIT_SEQUENCES = 48  # training sequences whose target activations choose the draft's axes
 SAVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -134,26 +141,24 @@ def distill(s: DistillSettings, log=print) -> dict | None:
         f"{len(kept)} of {config.vocab_size}, draft {_millions(trainer.body)}M body parameters"
     )
     steps = TrainSpec(s.steps, s.batch_size, s.lr, s.prompt_weight, s.checkpoint_every, s.seed)
-    if not train(trainer, examples, heldout, steps, checkpoint, log, s.stop_after):
+    objective = kl_objective(trainer, examples, heldout, s.prompt_weight)
+    lengths = [len(e.ids) for e in examples]
+    if not train(trainer, lengths, steps, checkpoint, objective, log, s.stop_after):
         return None
 
     export(trainer, s.out, path, SAVE_DTYPES[s.save_dtype])
     saved = AutoModelForCausalLM.from_pretrained(s.out, dtype=torch.float32).eval()
     result = saved_agreement(saved, heldout, trainer)
-    state = torch.load(checkpoint.path, weights_only=False)
-    report = {
-        "target": s.target,
-        "recipe": {name: getattr(s, name) for name in (*DATA_RECIPE, *TRAIN_RECIPE)},
-        "train_prompts": len(examples),
-        "train_answer_tokens": answer_tokens,
-        "kept_vocab": len(kept),
-        "vocab_size": config.vocab_size,
-        "kept_coverage_heldout": _coverage(heldout, trainer.slot_of, len(kept)),
-        "heldout": result,
-        "train_seconds": round(state["elapsed_s"], 1),
-        "size_bytes": sum(f.stat().st_size for f in s.out.glob("*.safetensors")),
-    }
-    (s.out / "distill.json").write_text(json.dumps(report, indent=2) + "\n")
+    report = write_report(
+        s,
+        examples,
+        checkpoint,
+        TRAIN_RECIPE,
+        kept_vocab=len(kept),
+        vocab_size=config.vocab_size,
+        kept_coverage_heldout=_coverage(heldout, trainer.slot_of, len(kept)),
+        heldout=result,
+    )
     log(
         f"done: held-out agreement with the target's greedy token: top-1 {result['top1']:.3f}, "
         f"top-{TOP} {result[f'top{TOP}']:.3f} over {result['positions']} answer positions "
@@ -173,23 +178,31 @@ def distill_eagle(s: DistillSettings, target_hf, path: Path, examples, heldout, 
         return None
     trainer, held = trained
     export_eagle(trainer, s.out, path, SAVE_DTYPES[s.save_dtype])
-    state = torch.load(s.out / "checkpoint" / "eagle.pt", weights_only=False)
-    report = {
-        "target": s.target,
-        "method": "eagle",
-        "recipe": {name: getattr(s, name) for name in (*DATA_RECIPE, *EAGLE_RECIPE)},
-        "train_prompts": len(examples),
-        "train_answer_tokens": sum(e.answer_len for e in examples),
-        "heldout": held,
-        "train_seconds": round(state["elapsed_s"], 1),
-        "size_bytes": sum(f.stat().st_size for f in s.out.glob("*.safetensors")),
-    }
-    (s.out / "distill.json").write_text(json.dumps(report, indent=2) + "\n")
+    checkpoint = Checkpoint(s.out / "checkpoint" / "eagle.pt")
+    report = write_report(s, examples, checkpoint, EAGLE_RECIPE, heldout=held)
     log(
         f"done: held-out agreement of the head (fed the target's states) with the target's "
         f"greedy token: top-1 {held['top1']:.3f}, top-{TOP} {held[f'top{TOP}']:.3f}; "
         f"saved {s.out} ({report['size_bytes'] / 1e6:.1f} MB)"
     )
+    return report
+
+
+def write_report(
+    s: DistillSettings, examples: list[Example], checkpoint: Checkpoint, recipe, **fields
+) -> dict:
+    """OUT/distill.json: the recipe, the data, `fields`, the training time and the size."""
+    state = torch.load(checkpoint.path, weights_only=False)
+    report = {
+        "target": s.target,
+        "recipe": {name: getattr(s, name) for name in (*DATA_RECIPE, *recipe)},
+        "train_prompts": len(examples),
+        "train_answer_tokens": sum(e.answer_len for e in examples),
+        **fields,
+        "train_seconds": round(state["elapsed_s"], 1),
+        "size_bytes": sum(f.stat().st_size for f in s.out.glob("*.safetensors")),
+    }
+    (s.out / "distill.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 

@@ -102,8 +102,8 @@ def lr_at(step: int, spec: TrainSpec) -> float:
     return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(trainer: DraftTrainer, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(trainer.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+def make_optimizer(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
 
 
 @dataclass
@@ -112,7 +112,7 @@ class Checkpoint:
 
     path: Path
 
-    def load(self, trainer: DraftTrainer, optimizer: torch.optim.Optimizer) -> tuple[int, float]:
+    def load(self, trainer: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, float]:
         """Restores weights, optimizer and RNGs; returns (step, training seconds so far)."""
         state = torch.load(self.path, weights_only=False)
         trainer.load_state_dict(state["trainer"])
@@ -134,39 +134,50 @@ class Checkpoint:
         tmp.replace(self.path)  # a checkpoint is the old one or the new one, never half
 
 
+@dataclass(frozen=True)
+class Objective:
+    """What a training run minimises and how it reports (the model method's KL, or an
+    EAGLE head's loss, workers/tools/distill/eagle.py)."""
+
+    loss: Callable[[list[int]], torch.Tensor]  # the loss of a batch, given example indices
+    held_out: Callable[[], tuple[float, float]]  # held-out top-1 and top-TOP agreement
+    label: str = "train"  # what its log lines start with
+    loss_name: str = "KL"
+
+
 def train(
-    trainer: DraftTrainer,
-    examples: list[Example],
-    heldout: list[Example],
+    trainer: torch.nn.Module,
+    lengths: list[int],
     spec: TrainSpec,
     checkpoint: Checkpoint,
+    objective: Objective,
     log: Log,
     stop_after: int | None = None,
 ) -> bool:
-    """Trains from the checkpoint (if any) to `spec.steps`; False if it stopped at `stop_after`."""
-    optimizer = make_optimizer(trainer, spec.lr)
-    step, elapsed = 0, 0.0
+    """Trains from the checkpoint (if any) to `spec.steps` over examples of `lengths`
+    tokens; False if it stopped at `stop_after`. Only parameters that require grad train."""
+    params = [p for p in trainer.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params, spec.lr)
+    step, elapsed, label = 0, 0.0, objective.label
     if checkpoint.path.is_file():
         step, elapsed = checkpoint.load(trainer, optimizer)
-        log(f"train: resuming from step {step} of {spec.steps}")
-    lengths = [len(e.ids) for e in examples]
+        log(f"{label}: resuming from step {step} of {spec.steps}")
     per_epoch = len(epoch_batches(lengths, spec.batch_size, spec.seed, 0))
     trainer.train()
     run_start, run_steps, losses = time.perf_counter(), 0, []
     while step < spec.steps:
         if stop_after is not None and step >= stop_after:
             checkpoint.save(step, trainer, optimizer, elapsed)
-            log(f"train: stopped at step {step} (--stop-after); run again to resume")
+            log(f"{label}: stopped at step {step} (--stop-after); run again to resume")
             return False
         start = time.perf_counter()
         epoch, index = divmod(step, per_epoch)
         chosen = epoch_batches(lengths, spec.batch_size, spec.seed, epoch)[index]
-        batch = collate([examples[i] for i in chosen], trainer.slot_of, spec.prompt_weight)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, spec)
-        loss = kl_loss(trainer, batch)
+        loss = objective.loss(chosen)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainer.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step, run_steps = step + 1, run_steps + 1
@@ -175,16 +186,28 @@ def train(
         if step % spec.checkpoint_every == 0 or step == spec.steps:
             checkpoint.save(step, trainer, optimizer, elapsed)
             rate = (time.perf_counter() - run_start) / run_steps
-            top1, top3 = _trainer_agreement(trainer, heldout)
+            top1, top3 = objective.held_out()
             log(
-                f"train: step {step}/{spec.steps} (epoch {step / per_epoch:.1f}), "
-                f"KL {sum(losses) / len(losses):.3f}, held-out top-1 {top1:.3f} "
-                f"top-{TOP} {top3:.3f}, {rate:.2f} s/step, "
+                f"{label}: step {step}/{spec.steps} (epoch {step / per_epoch:.1f}), "
+                f"{objective.loss_name} {sum(losses) / len(losses):.3f}, held-out top-1 "
+                f"{top1:.3f} top-{TOP} {top3:.3f}, {rate:.2f} s/step, "
                 f"about {duration(rate * (spec.steps - step))} left"
             )
             losses = []
             trainer.train()
     return True
+
+
+def kl_objective(
+    trainer: DraftTrainer, examples: list[Example], heldout: list[Example], prompt_weight: float
+) -> Objective:
+    """The model method's: KL against the target on a batch (`kl_loss`)."""
+
+    def loss(chosen: list[int]) -> torch.Tensor:
+        batch = collate([examples[i] for i in chosen], trainer.slot_of, prompt_weight)
+        return kl_loss(trainer, batch)
+
+    return Objective(loss, lambda: _trainer_agreement(trainer, heldout))
 
 
 Scorer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
