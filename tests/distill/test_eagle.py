@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -17,16 +19,23 @@ from workers.engine.text import encode_chat
 from workers.loop.inprocess import build_local
 from workers.protocol import TreeSpec
 from workers.speculation.sampling import SamplingParams
+from workers.tools.bench import draft as draft_bench
 from workers.tools.distill import prompts
 from workers.tools.distill.run import distill
 
 EAGLE = dict(method="eagle", steps=6, checkpoint_every=3, lr=3e-3)
 
 
-def test_a_trained_head_speculates_losslessly_and_learns(tiny_target, tmp_path):
-    out = tmp_path / "head"
+@pytest.fixture(scope="module")
+def trained(tiny_target, tmp_path_factory) -> tuple[Path, dict, list[str]]:
+    out = tmp_path_factory.mktemp("eagle") / "head"
     logs: list[str] = []
     report = distill(settings(tiny_target, out, **EAGLE), log=logs.append)
+    return out, report, logs
+
+
+def test_a_trained_head_speculates_losslessly_and_learns(tiny_target, trained):
+    out, report, logs = trained
     assert report["recipe"]["method"] == "eagle" and draft_kind(out) == "eagle"
     losses = [float(m) for line in logs for m in re.findall(r"loss ([0-9.]+)", line)]
     assert len(losses) == 2 and losses[1] < losses[0]
@@ -43,9 +52,18 @@ def test_a_trained_head_speculates_losslessly_and_learns(tiny_target, tmp_path):
     assert sum(r.stats.draft_tokens for r in runs) > 0
 
 
-def test_an_interrupted_head_resumes_to_the_same_weights(tiny_target, tmp_path):
-    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    assert distill(settings(tiny_target, whole, **EAGLE), log=lambda _: None) is not None
+def test_the_draft_bench_measures_a_head(tiny_target, trained):
+    settings_ = draft_bench.DraftBenchSettings(
+        target_model=str(tiny_target), draft_model=str(trained[0]), prompts=2, max_tokens=8
+    )
+    table = draft_bench.run(settings_)
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "tokens/s" not in line]
+    assert len(rows) == 7 and all(row.endswith("| yes |") for row in rows)
+    assert "top-1 **" in table and "draft/target **" in table
+
+
+def test_an_interrupted_head_resumes_to_the_same_weights(tiny_target, tmp_path, trained):
+    whole, stopped = trained[0], tmp_path / "stopped"
     assert distill(settings(tiny_target, stopped, stop_after=3, **EAGLE), log=print) is None
     logs: list[str] = []
     distill(settings(tiny_target, stopped, **EAGLE), log=logs.append)

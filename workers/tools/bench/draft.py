@@ -57,12 +57,19 @@ class DraftBenchSettings(BaseSettings):
 
 
 @torch.inference_mode()
-def agreement(draft: Engine, prompt: list[int], answer: list[int]) -> tuple[int, int, int]:
-    """(top-1 hits, top-3 hits, positions): draft teacher-forced on prompt + answer."""
+def agreement(
+    draft: Engine, target: Engine, prompt: list[int], answer: list[int]
+) -> tuple[int, int, int]:
+    """(top-1 hits, top-3 hits, positions): draft teacher-forced on prompt + answer; a
+    feature draft also on the target's states (token t with the state after t - 1)."""
     seq = prompt + answer
     n = len(seq)
     row = SlotInput(0, 0, list(range(-1, n - 1)), seq[:-1], logits_for=n - 1)
-    guesses = draft.forward([row])[0].topk(3, dim=-1).indices  # (n-1, 3)
+    features = None
+    if draft.model.takes_features:
+        states = target.run([row]).hidden[0]  # (n-1, E): after each of seq[:-1]
+        features = torch.cat([torch.zeros_like(states[:1]), states[:-1]])  # (n-1, E)
+    guesses = draft.run([row], features).logits[0].topk(3, dim=-1).indices  # (n-1, 3)
     picked = guesses[len(prompt) - 1 :]  # rows predicting answer tokens
     truth = torch.tensor(answer)[:, None]
     return int((picked[:, :1] == truth).sum()), int((picked == truth).any(-1).sum()), len(answer)
@@ -78,16 +85,24 @@ def forward_costs(engines: dict[str, Engine], sizes: dict[str, list[int]], repea
     times = {name: {n: [] for n in sizes[name]} for name in engines}
     for engine in engines.values():
         prefix = [(1000 + i) % engine.vocab_size for i in range(64)]
-        engine.forward([SlotInput(0, 0, list(range(-1, 63)), prefix)])
+        fed(engine, SlotInput(0, 0, list(range(-1, 63)), prefix))
     for i in range(repeats):
         for name, engine in engines.items():
             token = (1100 + i) % engine.vocab_size
             for n in sizes[name]:  # n tokens at positions 64.., overwritten by the next call
                 row = SlotInput(0, 64, list(range(-1, n - 1)), [token] * n)
                 start = time.perf_counter()
-                engine.forward([row])
+                fed(engine, row)
                 times[name][n].append(time.perf_counter() - start)
     return {name: {n: statistics.median(t) for n, t in ts.items()} for name, ts in times.items()}
+
+
+def fed(engine: Engine, row: SlotInput) -> None:
+    """One forward of `row`; a feature draft gets zero states (its cost is the same)."""
+    states = None
+    if engine.model.takes_features:
+        states = torch.zeros(len(row.tokens), engine.model.shape.hidden_size)  # (T, E)
+    engine.run([row], states)
 
 
 def _shape(spec: TreeSpec) -> str:
@@ -144,7 +159,7 @@ def run(s: DraftBenchSettings) -> str:
     reference = outputs["speculation off"]
     hits1 = hits3 = positions = 0
     for ids, answer in zip(chats, reference, strict=True):
-        h1, h3, n = agreement(draft, ids, answer)
+        h1, h3, n = agreement(draft, target, ids, answer)
         hits1, hits3, positions = hits1 + h1, hits3 + h3, positions + n
     verify_sizes = sorted({1, 2, 4, 8, tree.budget + 1})
     costs = forward_costs(
