@@ -19,6 +19,7 @@ Shapes: B sequences, T positions, E the target's hidden size, k top-k.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -86,9 +87,20 @@ class EagleTrainer(nn.Module):
         return torch.einsum("pke,pe->pk", rows, normed)
 
 
-def collate(examples: list[Example], states: list[torch.Tensor]):
-    """Right-padded (ids, states, mask, top_ids, top_p, answer) of a batch; the last four
-    are for predicted positions 1 .. T - 1 (predicting the token after each)."""
+@dataclass(frozen=True)
+class HeadBatch:
+    """Right-padded sequences; the last three fields are per predicted position 1 .. T - 1."""
+
+    ids: torch.Tensor  # (B, T) long
+    states: torch.Tensor  # (B, T, E): the target's state after each token
+    mask: torch.Tensor  # (B, T) long: 1 on real tokens
+    top_ids: torch.Tensor  # (B, T-1, k) long: the target's top-k after the next token
+    top_p: torch.Tensor  # (B, T-1, k): their renormalised probabilities
+    answer: torch.Tensor  # (B, T-1) bool: the position guesses an answer token
+
+
+def collate(examples: list[Example], states: list[torch.Tensor]) -> HeadBatch:
+    """The batch of `examples` with their target `states` ((N, E) each)."""
     width = max(len(e.ids) for e in examples)  # T
     b, e_dim, k = len(examples), states[0].shape[1], examples[0].top_ids.shape[1]
     ids = torch.zeros(b, width, dtype=torch.long)
@@ -104,16 +116,16 @@ def collate(examples: list[Example], states: list[torch.Tensor]):
         top_ids[i, : n - 2] = e.top_ids[1:]
         top_p[i, : n - 2] = e.top_logp[1:].softmax(-1)
         answer[i, max(0, e.prompt_len - 2) : n - 2] = True
-    return ids, feats, mask, top_ids, top_p, answer
+    return HeadBatch(ids, feats, mask, top_ids, top_p, answer)
 
 
-def loss_of(trainer: EagleTrainer, batch) -> torch.Tensor:
-    ids, feats, mask, top_ids, top_p, answer = batch
-    predicted = trainer(ids, feats, mask)  # (B, T-1, E)
-    valid = mask[:, 1:] > 0  # (B, T-1)
-    regression = F.smooth_l1_loss(predicted[valid], feats[:, 1:][valid])
-    logits = trainer.logits_at(predicted[answer], top_ids[answer])  # (P, k)
-    cls = -(top_p[answer] * logits.log_softmax(-1)).sum(-1).mean()
+def loss_of(trainer: EagleTrainer, b: HeadBatch) -> torch.Tensor:
+    """Smooth L1 to the target's next state plus CLS_WEIGHT x the top-k token loss."""
+    predicted = trainer(b.ids, b.states, b.mask)  # (B, T-1, E)
+    valid = b.mask[:, 1:] > 0  # (B, T-1)
+    regression = F.smooth_l1_loss(predicted[valid], b.states[:, 1:][valid])
+    logits = trainer.logits_at(predicted[b.answer], b.top_ids[b.answer])  # (P, k)
+    cls = -(b.top_p[b.answer] * logits.log_softmax(-1)).sum(-1).mean()
     return regression + CLS_WEIGHT * cls
 
 
@@ -124,11 +136,11 @@ def agreement(trainer: EagleTrainer, heldout: list[Example], states) -> dict:
     trainer.eval()
     hits1 = hits3 = positions = 0
     for e, s in zip(heldout, states, strict=True):
-        ids, feats, mask, top_ids, _, answer = collate([e], [s])
-        predicted = trainer(ids, feats, mask)[answer]  # (P, E)
+        b = collate([e], [s])
+        predicted = trainer(b.ids, b.states, b.mask)[b.answer]  # (P, E)
         logits = trainer.head.lm_head(trainer.head.model.norm(predicted))  # (P, V)
         guesses = logits.topk(TOP, dim=-1).indices  # (P, TOP)
-        greedy = top_ids[answer][:, 0]  # (P,)
+        greedy = b.top_ids[b.answer][:, 0]  # (P,)
         hits1 += int((guesses[:, 0] == greedy).sum())
         hits3 += int((guesses == greedy[:, None]).any(-1).sum())
         positions += len(greedy)
