@@ -28,8 +28,9 @@ run: $(STAMP)
 
 # One pytest process per core (pytest-xdist), each with one torch thread: the
 # tests' models are tiny, and two processes of two threads on two cores fight.
+# It ends with the 25 slowest tests, to keep the suite's time in view.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal -m "not slow" $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal -m "not slow" --durations=25 $(ARGS)
 
 # The slow chaos cases (a soak of a few hundred requests against a real serve; minutes),
 # which `make test` leaves out; they print their figures.

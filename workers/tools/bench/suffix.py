@@ -8,7 +8,9 @@ at once, alternating which goes first), greedy, streaming, no API key:
 - `questions`: a few questions, each asked in several wordings, one after
   the other (many users asking overlapping questions);
 - `file-edits`: an agent asks for a ~30-line file back with one small change,
-  and the next request edits the file as the model returned it.
+  and the next request edits the file as the model returned it;
+- `distinct`: traffic that never repeats, what the cache may cost: the chat and
+  grounded workloads of `specsplit bench serve` (8 each), each asked once.
 
 For each workload and cache setting it prints tokens/s (completion tokens
 over the requests' summed time), tokens per target forward and the draft's
@@ -29,6 +31,7 @@ from workers.settings import parse, settings_config
 from workers.tools.bench.machine import describe, load_words
 from workers.tools.bench.measure import Figures, Timed
 from workers.tools.bench.serving import MODEL_NAME, ServeProcess, stream_chat
+from workers.tools.bench.workloads import chat_messages, grounded_messages
 
 QUESTIONS = [
     [
@@ -110,7 +113,9 @@ EDITS = [
 class SuffixBenchSettings(BaseSettings):
     model_config = settings_config("bench suffix")
 
-    workloads: str = Field("questions,file-edits", description="comma list of workloads to run")
+    workloads: str = Field(
+        "questions,file-edits", description="comma list: questions, file-edits, distinct"
+    )
     cache_tokens: int = Field(
         16_384, ge=1, description="--suffix-cache-tokens of the cache-on serve"
     )
@@ -201,6 +206,9 @@ def run(s: SuffixBenchSettings) -> str:
             sides, question_prompts(s.rounds), s.question_tokens
         ),
         "file-edits": lambda sides: file_edits(sides, s.edit_tokens),
+        "distinct": lambda sides: side_by_side(
+            sides, chat_messages(8) + grounded_messages(8), s.question_tokens
+        ),
     }
     wanted = [w.strip() for w in s.workloads.split(",") if w.strip()]
     unknown = [w for w in wanted if w not in workloads]
