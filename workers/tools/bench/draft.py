@@ -62,14 +62,14 @@ def agreement(
 ) -> tuple[int, int, int]:
     """(top-1 hits, top-3 hits, positions): draft teacher-forced on prompt + answer; a
     feature draft also on the target's states (token t with the state after t - 1)."""
-    seq = prompt + answer
-    n = len(seq)
-    row = SlotInput(0, 0, list(range(-1, n - 1)), seq[:-1], logits_for=n - 1)
+    fed = (prompt + answer)[:-1]  # each row predicts the token after it
+    n = len(fed)
+    row = SlotInput(0, 0, list(range(-1, n - 1)), fed, logits_for=n)
     features = None
     if draft.model.takes_features:
-        states = target.run([row]).hidden[0]  # (n-1, E): after each of seq[:-1]
-        features = torch.cat([torch.zeros_like(states[:1]), states[:-1]])  # (n-1, E)
-    guesses = draft.run([row], features).logits[0].topk(3, dim=-1).indices  # (n-1, 3)
+        states = target.run([row]).hidden[0]  # (n, E): after each fed token
+        features = torch.cat([torch.zeros_like(states[:1]), states[:-1]])  # (n, E)
+    guesses = draft.run([row], features).logits[0].topk(3, dim=-1).indices  # (n, 3)
     picked = guesses[len(prompt) - 1 :]  # rows predicting answer tokens
     truth = torch.tensor(answer)[:, None]
     return int((picked[:, :1] == truth).sum()), int((picked == truth).any(-1).sum()), len(answer)
