@@ -31,17 +31,25 @@ class SlotInput:
 
 @dataclass(frozen=True)
 class RowGroup:
-    """Rows of a batch with the same number of new tokens T: one attention call."""
+    """Rows of a batch with the same number of new tokens T: one attention call.
+
+    Each new token reads its visible keys in sequence order from column 0 (the
+    committed prefix, then its own ancestors), so that its attention sees them
+    in the columns a token-by-token decode would (workers/engine/attention.py).
+    A chain (prefill, decode) reads its row as it is: `per_token` is False,
+    one key row per slot. A tree node's ancestors are scattered through the
+    region: `per_token` is True, one key row per new token, gathered.
+    """
 
     # (G * T,) long: their tokens among the N, row after row; None: the group is every row
     tokens: torch.Tensor | None
-    slots: torch.Tensor  # (G,) long: their cache slots
     new: int  # T: new tokens per row
-    width: int  # L: cache entries their attention reads
-    # (G * L,) long: the KV pool position of each row's columns 0..L-1, row after row
-    # (the null block past a row's own length)
+    width: int  # L: key columns each key row reads, a multiple of the KV block size
+    per_token: bool  # key rows: one per token (G * T) when True, one per slot (G) when False
+    # (K * L,) long: the KV pool position of each key row's columns 0..L-1, key row after
+    # key row (the null block past its visible keys); K = G or G * T
     positions: torch.Tensor
-    mask: torch.Tensor  # (G, 1, T, L) bool: which cache entries each new token sees
+    mask: torch.Tensor  # (G, 1, T, L) bool: which key columns each new token sees
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,12 @@ class ForwardBatch:
     ends: list[int]  # (B,): where each row's tokens end among the N
 
 
+def is_chain(mask: torch.Tensor) -> bool:
+    """Whether every token of a (T, L) mask sees exactly the columns before and at its own."""
+    seen = mask.sum(-1, keepdim=True)  # (T, 1)
+    return bool((mask == (torch.arange(mask.shape[-1]) < seen)).all())
+
+
 def build_batch(rows: list[SlotInput], cache: PagedKVCache, device: torch.device) -> ForwardBatch:
     """The forward of `rows` laid out for the model: N tokens, their positions, pool positions,
     and one attention mask per group of rows with equal T. Each row's slot must already
@@ -82,23 +96,34 @@ def build_batch(rows: list[SlotInput], cache: PagedKVCache, device: torch.device
         mask[:, r.prefix_len :] = tree_mask(parents)[u - n :]
         masks.append(mask)
     groups = []
+    block = cache.block_size
     for new in sorted(set(lengths)):
         members = [b for b, n in enumerate(lengths) if n == new]
+        per_token = not all(is_chain(masks[b]) for b in members)
         width = max(widths[b] for b in members)
+        width = -(-width // block) * block
         mask = torch.zeros(len(members), 1, new, width, dtype=torch.bool)  # (G, 1, T, L)
-        read = torch.full((len(members), width), NULL_BLOCK * cache.block_size)  # (G, L)
+        null = NULL_BLOCK * block
+        read = torch.full((len(members), new if per_token else 1, width), null)  # (G, K/G, L)
         for i, b in enumerate(members):
-            mask[i, 0, :, : widths[b]] = masks[b]
-            read[i, : widths[b]] = cache.positions(rows[b].slot, torch.arange(widths[b]))
+            columns = cache.positions(rows[b].slot, torch.arange(widths[b]))  # (L_b,)
+            if not per_token:
+                mask[i, 0, :, : widths[b]] = masks[b]
+                read[i, 0, : widths[b]] = columns
+                continue
+            for t, row in enumerate(masks[b]):
+                visible = row.nonzero().squeeze(1)  # (n,) increasing: prefix, ancestors, self
+                mask[i, 0, t, : len(visible)] = True
+                read[i, t, : len(visible)] = columns[visible]
         tokens = None
         if len(members) < len(rows):
             tokens = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in members])
         groups.append(
             RowGroup(
                 tokens=None if tokens is None else tokens.to(device),
-                slots=torch.tensor([rows[b].slot for b in members], device=device),
                 new=new,
                 width=width,
+                per_token=per_token,
                 positions=read.flatten().to(device),
                 mask=mask.to(device),
             )

@@ -7,7 +7,8 @@ table[c // block_size] * block_size + c % block_size). Blocks are taken as a
 session grows (`reserve`, before a forward), dropped past its committed length
 (`trim`, after a commit) and returned when it ends (`release`); the tree under
 verification lives in blocks too. This is vLLM's PagedAttention layout; the
-attention itself gathers a row group's blocks into a contiguous view.
+attention itself gathers a row group's blocks into a contiguous view (one
+key row per slot, or per token for a tree: workers/engine/batch.py).
 
 A forward writes its new tokens' keys and values at explicit positions and
 reads each row's entries back up to the longest row of its group; positions
@@ -122,12 +123,12 @@ class PagedKVCache:
         self.v[layer].index_copy_(1, batch.token_positions, v.transpose(0, 1))
 
     def read(self, layer: int, group: RowGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        """The group's first L entries: (G, Hkv, L, D) each, gathered from their blocks."""
-        g, width = len(group.slots), group.width
+        """The group's key rows of L entries: (K, Hkv, L, D) each, gathered from their blocks."""
+        width = group.width
         out = []
         for pool in (self.k[layer], self.v[layer]):  # (Hkv, P, D)
-            gathered = pool.index_select(1, group.positions)  # (Hkv, G * L, D)
-            out.append(gathered.view(-1, g, width, pool.shape[-1]).transpose(0, 1))
+            gathered = pool.index_select(1, group.positions)  # (Hkv, K * L, D)
+            out.append(gathered.view(pool.shape[0], -1, width, pool.shape[-1]).transpose(0, 1))
         return out[0], out[1]
 
     def commit(self, slot: int, start: int, keep: list[int]) -> None:

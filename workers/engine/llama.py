@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from workers.engine.attention import attend
 from workers.engine.batch import ForwardBatch, RowGroup
 from workers.engine.kv_cache import PagedKVCache
 
@@ -177,12 +178,26 @@ class Block(nn.Module):
     def attend(self, q: torch.Tensor, cache: PagedKVCache, g: RowGroup) -> torch.Tensor:
         # q: (G * T, H, D), the group's queries row after row -> (G * T, H, D)
         s = self.shape
-        keys, values = cache.read(self.index, g)  # (G, Hkv, L, D) each
-        q = q.view(len(g.slots), g.new, s.num_heads, s.head_dim).transpose(1, 2)  # (G, H, T, D)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=g.mask, enable_gqa=True
-        )  # (G, H, T, D)
-        return out.transpose(1, 2).reshape(-1, s.num_heads, s.head_dim)
+        rep, t = s.num_heads // s.num_kv_heads, g.new
+        keys, values = cache.read(self.index, g)  # (K, Hkv, L, D) each, K = G * T or G
+        if g.per_token:  # one key row per query: its R = rep heads
+            q = q.view(-1, s.num_kv_heads, rep, s.head_dim)  # (G * T, Hkv, rep, D)
+            mask = g.mask.view(-1, 1, 1, g.width).expand(-1, 1, rep, -1)  # (G * T, 1, rep, L)
+            out = attend(q, keys, values, mask, cache.block_size)  # (G * T, Hkv, rep, D)
+            return out.reshape(-1, s.num_heads, s.head_dim)
+        # one key row per slot: R = rep * T queries, head-major as grouped-query attention pairs
+        # query head h with key/value head h // rep
+        q = q.view(-1, t, s.num_kv_heads, rep, s.head_dim).permute(0, 2, 3, 1, 4)  # (G, Hkv, rep, T, D)
+        mask = g.mask.unsqueeze(2).expand(-1, 1, rep, t, g.width)  # (G, 1, rep, T, L)
+        out = attend(
+            q.reshape(-1, s.num_kv_heads, rep * t, s.head_dim),
+            keys,
+            values,
+            mask.reshape(-1, 1, rep * t, g.width),
+            cache.block_size,
+        )  # (G, Hkv, rep * T, D)
+        out = out.view(-1, s.num_kv_heads, rep, t, s.head_dim).permute(0, 3, 1, 2, 4)
+        return out.reshape(-1, s.num_heads, s.head_dim)  # (G * T, H, D)
 
     def forward(self, x, cos, sin, cache: PagedKVCache, batch: ForwardBatch):
         # x: (N, E) -> (N, E)
