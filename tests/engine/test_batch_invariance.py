@@ -53,10 +53,10 @@ def test_prefill_equals_one_by_one(reference):
     assert torch.equal(torch.cat(parts), ref)
 
 
-def test_tree_nodes_equal_one_by_one(reference):
+@pytest.mark.parametrize("prefix", [5, 20, 32])  # within, across, at a block boundary
+def test_tree_nodes_equal_one_by_one(reference, prefix):
     dtype, ref = reference
     eng = engine(dtype)
-    prefix = 20
     eng.forward([SlotInput(0, 0, chain(prefix), SEQ[:prefix])])
     # the true path (regions 0, 2, 4, 6, 7) interleaved with decoys, so a node's ancestors
     # sit in scattered columns

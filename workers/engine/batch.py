@@ -30,26 +30,36 @@ class SlotInput:
 
 
 @dataclass(frozen=True)
+class KeyRows:
+    """K rows of L key columns one attention call reads, gathered from the KV pool."""
+
+    count: int  # K
+    width: int  # L: a multiple of the KV block size (the attention's chunk)
+    # (K * L,) long: the pool position of each row's columns 0..L-1, row after row
+    # (the null block past the row's own columns)
+    positions: torch.Tensor
+    mask: torch.Tensor  # (G, 1, T, L) bool: which columns each new token of each slot sees
+
+
+@dataclass(frozen=True)
 class RowGroup:
     """Rows of a batch with the same number of new tokens T: one attention call.
 
-    Each new token reads its visible keys in sequence order from column 0 (the
-    committed prefix, then its own ancestors), so that its attention sees them
-    in the columns a token-by-token decode would (workers/engine/attention.py).
-    A chain (prefill, decode) reads its row as it is: `per_token` is False,
-    one key row per slot. A tree node's ancestors are scattered through the
-    region: `per_token` is True, one key row per new token, gathered.
+    Each new token must read its visible keys in sequence order from column 0
+    (the committed prefix, then its own ancestors), in the columns a
+    token-by-token decode would put them (workers/engine/attention.py). A
+    chain (prefill, decode) reads its slot's columns as they are: `shared`
+    holds them all. A tree node's ancestors are scattered through the
+    region: `shared` holds the prefix's whole blocks, common to the slot's
+    tokens, and `tail` each token's own rest (the prefix's last partial block,
+    then its ancestors and itself), gathered.
     """
 
     # (G * T,) long: their tokens among the N, row after row; None: the group is every row
     tokens: torch.Tensor | None
     new: int  # T: new tokens per row
-    width: int  # L: key columns each key row reads, a multiple of the KV block size
-    per_token: bool  # key rows: one per token (G * T) when True, one per slot (G) when False
-    # (K * L,) long: the KV pool position of each key row's columns 0..L-1, key row after
-    # key row (the null block past its visible keys); K = G or G * T
-    positions: torch.Tensor
-    mask: torch.Tensor  # (G, 1, T, L) bool: which key columns each new token sees
+    shared: KeyRows  # K = G: one key row per slot
+    tail: KeyRows | None  # K = G * T: one key row per token, continuing `shared`; None: chains
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,22 @@ def is_chain(mask: torch.Tensor) -> bool:
     return bool((mask == (torch.arange(mask.shape[-1]) < seen)).all())
 
 
+def key_rows(
+    reads: list[torch.Tensor], seen: list[torch.Tensor], cache: PagedKVCache, device
+) -> KeyRows:
+    """K key rows from their pool positions (n_k,) each, padded with the null block to a
+    whole number of blocks; `seen` holds each slot's (T, n_g) mask over its columns."""
+    block = cache.block_size
+    width = -(-max(len(r) for r in reads) // block) * block
+    read = torch.full((len(reads), width), NULL_BLOCK * block)  # (K, L)
+    for k, r in enumerate(reads):
+        read[k, : len(r)] = r
+    mask = torch.zeros(len(seen), 1, seen[0].shape[0], width, dtype=torch.bool)  # (G, 1, T, L)
+    for g, m in enumerate(seen):
+        mask[g, 0, :, : m.shape[1]] = m
+    return KeyRows(len(reads), width, read.flatten().to(device), mask.to(device))
+
+
 def build_batch(rows: list[SlotInput], cache: PagedKVCache, device: torch.device) -> ForwardBatch:
     """The forward of `rows` laid out for the model: N tokens, their positions, pool positions,
     and one attention mask per group of rows with equal T. Each row's slot must already
@@ -96,25 +122,27 @@ def build_batch(rows: list[SlotInput], cache: PagedKVCache, device: torch.device
         mask[:, r.prefix_len :] = tree_mask(parents)[u - n :]
         masks.append(mask)
     groups = []
-    block = cache.block_size
     for new in sorted(set(lengths)):
         members = [b for b, n in enumerate(lengths) if n == new]
-        per_token = not all(is_chain(masks[b]) for b in members)
-        width = max(widths[b] for b in members)
-        width = -(-width // block) * block
-        mask = torch.zeros(len(members), 1, new, width, dtype=torch.bool)  # (G, 1, T, L)
-        null = NULL_BLOCK * block
-        read = torch.full((len(members), new if per_token else 1, width), null)  # (G, K/G, L)
-        for i, b in enumerate(members):
-            columns = cache.positions(rows[b].slot, torch.arange(widths[b]))  # (L_b,)
-            if not per_token:
-                mask[i, 0, :, : widths[b]] = masks[b]
-                read[i, 0, : widths[b]] = columns
-                continue
-            for t, row in enumerate(masks[b]):
-                visible = row.nonzero().squeeze(1)  # (n,) increasing: prefix, ancestors, self
-                mask[i, 0, t, : len(visible)] = True
-                read[i, t, : len(visible)] = columns[visible]
+        columns = [cache.positions(rows[b].slot, torch.arange(widths[b])) for b in members]
+        tail = None
+        if all(is_chain(masks[b]) for b in members):
+            shared = key_rows(columns, [masks[b] for b in members], cache, device)
+        else:
+            whole = [rows[b].prefix_len // cache.block_size * cache.block_size for b in members]
+            shared = key_rows(
+                [c[:w] for c, w in zip(columns, whole, strict=True)],
+                [masks[b][:, :w] for b, w in zip(members, whole, strict=True)],
+                cache,
+                device,
+            )
+            reads, seen = [], []
+            for b, c, w in zip(members, columns, whole, strict=True):
+                rest = [row.nonzero().squeeze(1)[w:] for row in masks[b]]  # (n_t,) each, in order
+                reads += [c[r] for r in rest]
+                counts = torch.tensor([len(r) for r in rest])  # (T,)
+                seen.append(torch.arange(int(counts.max())) < counts[:, None])  # (T, max n_t)
+            tail = key_rows(reads, seen, cache, device)
         tokens = None
         if len(members) < len(rows):
             tokens = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in members])
@@ -122,10 +150,8 @@ def build_batch(rows: list[SlotInput], cache: PagedKVCache, device: torch.device
             RowGroup(
                 tokens=None if tokens is None else tokens.to(device),
                 new=new,
-                width=width,
-                per_token=per_token,
-                positions=read.flatten().to(device),
-                mask=mask.to(device),
+                shared=shared,
+                tail=tail,
             )
         )
     written = [

@@ -33,7 +33,7 @@ import torch
 from workers.protocol.errors import WorkerBusy
 
 if TYPE_CHECKING:
-    from workers.engine.batch import ForwardBatch, RowGroup
+    from workers.engine.batch import ForwardBatch, KeyRows
 
 NULL_BLOCK = 0  # zeros, read by the padding of short rows; never given to a slot
 
@@ -122,13 +122,13 @@ class PagedKVCache:
         self.k[layer].index_copy_(1, batch.token_positions, k.transpose(0, 1))
         self.v[layer].index_copy_(1, batch.token_positions, v.transpose(0, 1))
 
-    def read(self, layer: int, group: RowGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        """The group's key rows of L entries: (K, Hkv, L, D) each, gathered from their blocks."""
-        width = group.width
+    def read(self, layer: int, rows: KeyRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """K key rows of L entries: (K, Hkv, L, D) each, gathered from their blocks."""
         out = []
         for pool in (self.k[layer], self.v[layer]):  # (Hkv, P, D)
-            gathered = pool.index_select(1, group.positions)  # (Hkv, K * L, D)
-            out.append(gathered.view(pool.shape[0], -1, width, pool.shape[-1]).transpose(0, 1))
+            hkv, _, d = pool.shape
+            gathered = pool.index_select(1, rows.positions)  # (Hkv, K * L, D)
+            out.append(gathered.view(hkv, rows.count, rows.width, d).transpose(0, 1))
         return out[0], out[1]
 
     def commit(self, slot: int, start: int, keep: list[int]) -> None:

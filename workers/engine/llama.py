@@ -178,26 +178,12 @@ class Block(nn.Module):
     def attend(self, q: torch.Tensor, cache: PagedKVCache, g: RowGroup) -> torch.Tensor:
         # q: (G * T, H, D), the group's queries row after row -> (G * T, H, D)
         s = self.shape
-        rep, t = s.num_heads // s.num_kv_heads, g.new
-        keys, values = cache.read(self.index, g)  # (K, Hkv, L, D) each, K = G * T or G
-        if g.per_token:  # one key row per query: its R = rep heads
-            q = q.view(-1, s.num_kv_heads, rep, s.head_dim)  # (G * T, Hkv, rep, D)
-            mask = g.mask.view(-1, 1, 1, g.width).expand(-1, 1, rep, -1)  # (G * T, 1, rep, L)
-            out = attend(q, keys, values, mask, cache.block_size)  # (G * T, Hkv, rep, D)
-            return out.reshape(-1, s.num_heads, s.head_dim)
-        # one key row per slot: R = rep * T queries, head-major as grouped-query attention pairs
-        # query head h with key/value head h // rep
-        q = q.view(-1, t, s.num_kv_heads, rep, s.head_dim).permute(0, 2, 3, 1, 4)  # (G, Hkv, rep, T, D)
-        mask = g.mask.unsqueeze(2).expand(-1, 1, rep, t, g.width)  # (G, 1, rep, T, L)
-        out = attend(
-            q.reshape(-1, s.num_kv_heads, rep * t, s.head_dim),
-            keys,
-            values,
-            mask.reshape(-1, 1, rep * t, g.width),
-            cache.block_size,
-        )  # (G, Hkv, rep * T, D)
-        out = out.view(-1, s.num_kv_heads, rep, t, s.head_dim).permute(0, 3, 1, 2, 4)
-        return out.reshape(-1, s.num_heads, s.head_dim)  # (G * T, H, D)
+        rep = s.num_heads // s.num_kv_heads  # query head h reads key/value head h // rep
+        shared = (*cache.read(self.index, g.shared), g.shared.mask)  # (G, Hkv, Ls, D) keys, values
+        tail = None if g.tail is None else (*cache.read(self.index, g.tail), g.tail.mask)
+        q = q.view(-1, g.new, s.num_kv_heads, rep, s.head_dim).permute(0, 2, 3, 1, 4)
+        out = attend(q, shared, tail, cache.block_size)  # (G, Hkv, rep, T, D)
+        return out.permute(0, 3, 1, 2, 4).reshape(-1, s.num_heads, s.head_dim)
 
     def forward(self, x, cos, sin, cache: PagedKVCache, batch: ForwardBatch):
         # x: (N, E) -> (N, E)
