@@ -88,7 +88,7 @@ def is_chain(mask: torch.Tensor) -> bool:
 
 
 def key_rows(
-    reads: list[torch.Tensor], seen: list[torch.Tensor], cache: PagedKVCache, device
+    reads: list[torch.Tensor], seen: list[torch.Tensor], cache: PagedKVCache, device: torch.device
 ) -> KeyRows:
     """K key rows from their pool positions (n_k,) each, padded with the null block to a
     whole number of blocks; `seen` holds each slot's (T, n_g) mask over its columns."""
