@@ -181,7 +181,8 @@ class Block(nn.Module):
         rep = s.num_heads // s.num_kv_heads  # query head h reads key/value head h // rep
         shared = (*cache.read(self.index, g.shared), g.shared.mask)  # (G, Hkv, Ls, D) keys, values
         tail = None if g.tail is None else (*cache.read(self.index, g.tail), g.tail.mask)
-        q = q.view(-1, g.new, s.num_kv_heads, rep, s.head_dim).permute(0, 2, 3, 1, 4)
+        q = q.view(-1, g.new, s.num_kv_heads, rep, s.head_dim)  # (G, T, Hkv, rep, D)
+        q = q.permute(0, 2, 3, 1, 4)  # (G, Hkv, rep, T, D)
         out = attend(q, shared, tail, cache.block_size)  # (G, Hkv, rep, T, D)
         return out.permute(0, 3, 1, 2, 4).reshape(-1, s.num_heads, s.head_dim)
 
