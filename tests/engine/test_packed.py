@@ -27,6 +27,18 @@ def test_packed_linear_equals_linear(bias, shape):
         assert torch.allclose(PackedLinear(linear)(x), linear(x), atol=1e-5)
 
 
+@needs_packing
+def test_packed_rows_do_not_depend_on_the_rows_beside_them():
+    # what keeps the float32 forward batch-invariant (tests/engine/test_batch_invariance.py)
+    torch.manual_seed(0)
+    packed = PackedLinear(nn.Linear(96, 160, bias=True))
+    x = torch.randn(130, 96)
+    with torch.inference_mode():
+        alone = torch.cat([packed(x[i : i + 1]) for i in range(17)])  # (17, 160)
+        for rows in (2, 5, 17, 130):
+            assert torch.equal(packed(x[:rows])[:17], alone[:rows])
+
+
 def test_only_float32_on_cpu_is_packed():
     assert not can_pack(torch.bfloat16, torch.device("cpu"))
     model = nn.Module()

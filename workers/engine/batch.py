@@ -30,18 +30,36 @@ class SlotInput:
 
 
 @dataclass(frozen=True)
+class KeyRows:
+    """K rows of L key columns one attention call reads, gathered from the KV pool."""
+
+    count: int  # K
+    width: int  # L: a multiple of the KV block size (the attention's chunk)
+    # (K * L,) long: the pool position of each row's columns 0..L-1, row after row
+    # (the null block past the row's own columns)
+    positions: torch.Tensor
+    mask: torch.Tensor  # (G, 1, T, L) bool: which columns each new token of each slot sees
+
+
+@dataclass(frozen=True)
 class RowGroup:
-    """Rows of a batch with the same number of new tokens T: one attention call."""
+    """Rows of a batch with the same number of new tokens T: one attention call.
+
+    Each new token must read its visible keys in sequence order from column 0
+    (the committed prefix, then its own ancestors), in the columns a
+    token-by-token decode would put them (workers/engine/attention.py). A
+    chain (prefill, decode) reads its slot's columns as they are: `shared`
+    holds them all. A tree node's ancestors are scattered through the
+    region: `shared` holds the prefix's whole blocks, common to the slot's
+    tokens, and `tail` each token's own rest (the prefix's last partial block,
+    then its ancestors and itself), gathered.
+    """
 
     # (G * T,) long: their tokens among the N, row after row; None: the group is every row
     tokens: torch.Tensor | None
-    slots: torch.Tensor  # (G,) long: their cache slots
     new: int  # T: new tokens per row
-    width: int  # L: cache entries their attention reads
-    # (G * L,) long: the KV pool position of each row's columns 0..L-1, row after row
-    # (the null block past a row's own length)
-    positions: torch.Tensor
-    mask: torch.Tensor  # (G, 1, T, L) bool: which cache entries each new token sees
+    shared: KeyRows  # K = G: one key row per slot
+    tail: KeyRows | None  # K = G * T: one key row per token, continuing `shared`; None: chains
 
 
 @dataclass(frozen=True)
@@ -61,6 +79,28 @@ class ForwardBatch:
     token_positions: torch.Tensor  # (N,) long: the KV pool position each token's key/value goes to
     groups: list[RowGroup]
     ends: list[int]  # (B,): where each row's tokens end among the N
+
+
+def is_chain(mask: torch.Tensor) -> bool:
+    """Whether every token of a (T, L) mask sees exactly the columns before and at its own."""
+    seen = mask.sum(-1, keepdim=True)  # (T, 1)
+    return bool((mask == (torch.arange(mask.shape[-1]) < seen)).all())
+
+
+def key_rows(
+    reads: list[torch.Tensor], seen: list[torch.Tensor], cache: PagedKVCache, device: torch.device
+) -> KeyRows:
+    """K key rows from their pool positions (n_k,) each, padded with the null block to a
+    whole number of blocks; `seen` holds each slot's (T, n_g) mask over its columns."""
+    block = cache.block_size
+    width = -(-max(len(r) for r in reads) // block) * block
+    read = torch.full((len(reads), width), NULL_BLOCK * block)  # (K, L)
+    for k, r in enumerate(reads):
+        read[k, : len(r)] = r
+    mask = torch.zeros(len(seen), 1, seen[0].shape[0], width, dtype=torch.bool)  # (G, 1, T, L)
+    for g, m in enumerate(seen):
+        mask[g, 0, :, : m.shape[1]] = m
+    return KeyRows(len(reads), width, read.flatten().to(device), mask.to(device))
 
 
 def build_batch(rows: list[SlotInput], cache: PagedKVCache, device: torch.device) -> ForwardBatch:
@@ -84,23 +124,34 @@ def build_batch(rows: list[SlotInput], cache: PagedKVCache, device: torch.device
     groups = []
     for new in sorted(set(lengths)):
         members = [b for b, n in enumerate(lengths) if n == new]
-        width = max(widths[b] for b in members)
-        mask = torch.zeros(len(members), 1, new, width, dtype=torch.bool)  # (G, 1, T, L)
-        read = torch.full((len(members), width), NULL_BLOCK * cache.block_size)  # (G, L)
-        for i, b in enumerate(members):
-            mask[i, 0, :, : widths[b]] = masks[b]
-            read[i, : widths[b]] = cache.positions(rows[b].slot, torch.arange(widths[b]))
+        columns = [cache.positions(rows[b].slot, torch.arange(widths[b])) for b in members]
+        tail = None
+        if all(is_chain(masks[b]) for b in members):
+            shared = key_rows(columns, [masks[b] for b in members], cache, device)
+        else:
+            whole = [rows[b].prefix_len // cache.block_size * cache.block_size for b in members]
+            shared = key_rows(
+                [c[:w] for c, w in zip(columns, whole, strict=True)],
+                [masks[b][:, :w] for b, w in zip(members, whole, strict=True)],
+                cache,
+                device,
+            )
+            reads, seen = [], []
+            for b, c, w in zip(members, columns, whole, strict=True):
+                rest = [row.nonzero().squeeze(1)[w:] for row in masks[b]]  # (n_t,) each, in order
+                reads += [c[r] for r in rest]
+                counts = torch.tensor([len(r) for r in rest])  # (T,)
+                seen.append(torch.arange(int(counts.max())) < counts[:, None])  # (T, max n_t)
+            tail = key_rows(reads, seen, cache, device)
         tokens = None
         if len(members) < len(rows):
             tokens = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in members])
         groups.append(
             RowGroup(
                 tokens=None if tokens is None else tokens.to(device),
-                slots=torch.tensor([rows[b].slot for b in members], device=device),
                 new=new,
-                width=width,
-                positions=read.flatten().to(device),
-                mask=mask.to(device),
+                shared=shared,
+                tail=tail,
             )
         )
     written = [

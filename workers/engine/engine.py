@@ -38,7 +38,9 @@ class EngineConfig:
     # KV cache positions shared by all sessions; None = every session at its full context
     kv_tokens: int | None = None
     kv_block_size: int = 16  # positions per KV block (the unit sessions take and return)
-    pack_weights: bool = True  # float32 on CPU: oneDNN-packed linear layers (engine/packed.py)
+    # float32 on CPU: oneDNN-packed linear layers (engine/packed.py); they also round a row
+    # the same whatever rows share the product, which plain (MKL) float32 layers do not
+    pack_weights: bool = True
     cache_dir: Path | None = None  # model cache; None = $SPECSPLIT_MODEL_CACHE or ~/.cache
 
 

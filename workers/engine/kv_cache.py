@@ -7,7 +7,8 @@ table[c // block_size] * block_size + c % block_size). Blocks are taken as a
 session grows (`reserve`, before a forward), dropped past its committed length
 (`trim`, after a commit) and returned when it ends (`release`); the tree under
 verification lives in blocks too. This is vLLM's PagedAttention layout; the
-attention itself gathers a row group's blocks into a contiguous view.
+attention itself gathers a row group's blocks into a contiguous view (one
+key row per slot, or per token for a tree: workers/engine/batch.py).
 
 A forward writes its new tokens' keys and values at explicit positions and
 reads each row's entries back up to the longest row of its group; positions
@@ -32,7 +33,7 @@ import torch
 from workers.protocol.errors import WorkerBusy
 
 if TYPE_CHECKING:
-    from workers.engine.batch import ForwardBatch, RowGroup
+    from workers.engine.batch import ForwardBatch, KeyRows
 
 NULL_BLOCK = 0  # zeros, read by the padding of short rows; never given to a slot
 
@@ -121,13 +122,13 @@ class PagedKVCache:
         self.k[layer].index_copy_(1, batch.token_positions, k.transpose(0, 1))
         self.v[layer].index_copy_(1, batch.token_positions, v.transpose(0, 1))
 
-    def read(self, layer: int, group: RowGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        """The group's first L entries: (G, Hkv, L, D) each, gathered from their blocks."""
-        g, width = len(group.slots), group.width
+    def read(self, layer: int, rows: KeyRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """K key rows of L entries: (K, Hkv, L, D) each, gathered from their blocks."""
         out = []
         for pool in (self.k[layer], self.v[layer]):  # (Hkv, P, D)
-            gathered = pool.index_select(1, group.positions)  # (Hkv, G * L, D)
-            out.append(gathered.view(-1, g, width, pool.shape[-1]).transpose(0, 1))
+            hkv, _, d = pool.shape
+            gathered = pool.index_select(1, rows.positions)  # (Hkv, K * L, D)
+            out.append(gathered.view(hkv, rows.count, rows.width, d).transpose(0, 1))
         return out[0], out[1]
 
     def commit(self, slot: int, start: int, keep: list[int]) -> None:

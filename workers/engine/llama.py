@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from workers.engine.attention import attend
 from workers.engine.batch import ForwardBatch, RowGroup
 from workers.engine.kv_cache import PagedKVCache
 
@@ -177,12 +178,13 @@ class Block(nn.Module):
     def attend(self, q: torch.Tensor, cache: PagedKVCache, g: RowGroup) -> torch.Tensor:
         # q: (G * T, H, D), the group's queries row after row -> (G * T, H, D)
         s = self.shape
-        keys, values = cache.read(self.index, g)  # (G, Hkv, L, D) each
-        q = q.view(len(g.slots), g.new, s.num_heads, s.head_dim).transpose(1, 2)  # (G, H, T, D)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=g.mask, enable_gqa=True
-        )  # (G, H, T, D)
-        return out.transpose(1, 2).reshape(-1, s.num_heads, s.head_dim)
+        rep = s.num_heads // s.num_kv_heads  # query head h reads key/value head h // rep
+        shared = (*cache.read(self.index, g.shared), g.shared.mask)  # (G, Hkv, Ls, D) keys, values
+        tail = None if g.tail is None else (*cache.read(self.index, g.tail), g.tail.mask)
+        q = q.view(-1, g.new, s.num_kv_heads, rep, s.head_dim)  # (G, T, Hkv, rep, D)
+        q = q.permute(0, 2, 3, 1, 4)  # (G, Hkv, rep, T, D)
+        out = attend(q, shared, tail, cache.block_size)  # (G, Hkv, rep, T, D)
+        return out.permute(0, 3, 1, 2, 4).reshape(-1, s.num_heads, s.head_dim)
 
     def forward(self, x, cos, sin, cache: PagedKVCache, batch: ForwardBatch):
         # x: (N, E) -> (N, E)

@@ -7,7 +7,10 @@ multiplication: on a 2-core x86 CPU, SmolLM2-135M takes 40 ms for one token
 and 76 ms for 17. oneDNN can pack each weight once, in the layout its
 kernels read (what torch.compile's CPU backend does with frozen weights);
 the same forwards then take 23 ms and 34 ms. Logits match the plain layers
-to float32 rounding (~1e-4).
+to float32 rounding (~1e-4), and each row's result is the same bits
+whatever number of rows shares the product (plain float32 layers round a
+single row differently from several), which keeps the forward
+batch-invariant (workers/engine/attention.py).
 
 `pack_linears` swaps the native model's linear layers for packed ones when
 the model is float32 on the CPU and this torch build has the oneDNN ops;

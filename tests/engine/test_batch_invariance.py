@@ -1,0 +1,93 @@
+"""A token's logits are bit-identical however it reaches the model: in a prefill, one token
+at a time, as a tree node, or batched with other sessions' rows of other lengths.
+
+This is what makes speculative greedy equal the same engine's target-only greedy in
+bfloat16, where a one-ulp difference flips near-ties (tests/gateway/test_bf16.py).
+"""
+
+import pytest
+import torch
+
+from tests.engine.tiny import tiny_hf_model
+from workers.engine.batch import SlotInput
+from workers.engine.engine import Engine, EngineConfig
+
+DTYPES = [torch.float32, torch.bfloat16]
+SEQ = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(11)).tolist()
+OTHER = torch.randint(0, 96, (23,), generator=torch.Generator().manual_seed(12)).tolist()
+
+
+def chain(n: int) -> list[int]:
+    return [i - 1 for i in range(n)]
+
+
+def engine(dtype: torch.dtype) -> Engine:
+    hf = tiny_hf_model("llama", seed=9).to(dtype)
+    return Engine.from_hf(hf, None, EngineConfig(max_sessions=3, max_seq_len=256), "t")
+
+
+def one_by_one(eng: Engine, slot: int, tokens: list[int]) -> torch.Tensor:
+    """Logits of every position, the tokens fed one forward each: (len, V)."""
+    return torch.cat(
+        [eng.forward([SlotInput(slot, i, [-1], [x])])[0] for i, x in enumerate(tokens)]
+    )
+
+
+@pytest.fixture(scope="module", params=DTYPES, ids=str)
+def reference(request):
+    eng = engine(request.param)
+    return request.param, one_by_one(eng, 0, SEQ)
+
+
+def test_prefill_equals_one_by_one(reference):
+    dtype, ref = reference
+    eng = engine(dtype)
+    (whole,) = eng.forward([SlotInput(0, 0, chain(len(SEQ)), SEQ, logits_for=len(SEQ))])
+    assert torch.equal(whole, ref)
+    # the same prompt in uneven chunks, across block boundaries
+    parts, start = [], 0
+    for size in (7, 20, 13):
+        piece = SEQ[start : start + size]
+        parts += eng.forward([SlotInput(1, start, chain(size), piece, logits_for=size)])
+        start += size
+    assert torch.equal(torch.cat(parts), ref)
+
+
+@pytest.mark.parametrize("prefix", [5, 20, 32])  # within, across, at a block boundary
+def test_tree_nodes_equal_one_by_one(reference, prefix):
+    dtype, ref = reference
+    eng = engine(dtype)
+    eng.forward([SlotInput(0, 0, chain(prefix), SEQ[:prefix])])
+    # the true path (regions 0, 2, 4, 6, 7) interleaved with decoys, so a node's ancestors
+    # sit in scattered columns
+    parents = [-1, 0, 0, 1, 2, 3, 4, 6, 5]
+    true = SEQ[prefix : prefix + 5]
+    tokens = [true[0], 90, true[1], 91, true[2], 92, true[3], true[4], 93]
+    (out,) = eng.forward([SlotInput(0, prefix, parents, tokens, logits_for=len(tokens))])
+    path = [0, 2, 4, 6, 7]
+    assert torch.equal(out[path], ref[prefix : prefix + 5])
+
+
+def test_batched_with_other_sessions_equals_alone(reference):
+    dtype, ref = reference
+    eng = engine(dtype)
+    eng.forward([SlotInput(0, 0, chain(30), SEQ[:30])])
+    eng.forward([SlotInput(1, 0, chain(5), OTHER[:5])])
+    # a decode beside another session's decode (another width) and a prefill (another group)
+    decode, _, _ = eng.forward(
+        [
+            SlotInput(0, 30, [-1], SEQ[30:31]),
+            SlotInput(1, 5, [-1], OTHER[5:6]),
+            SlotInput(2, 0, chain(17), OTHER[:17]),
+        ]
+    )
+    assert torch.equal(decode, ref[30:31])
+    # a tree beside another slot's tree of as many nodes (one gathered attention call)
+    parents = [-1, 0, 0, 2]
+    tree, _ = eng.forward(
+        [
+            SlotInput(0, 31, parents, [SEQ[31], 95, SEQ[32], SEQ[33]], logits_for=4),
+            SlotInput(1, 6, parents, OTHER[6:10], logits_for=4),
+        ]
+    )
+    assert torch.equal(tree[[0, 2, 3]], ref[31:34])

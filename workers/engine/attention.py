@@ -1,0 +1,116 @@
+"""Batch-invariant attention: a query's output depends on its own keys, never on the batch.
+
+`torch.nn.functional.scaled_dot_product_attention` on the CPU rounds a query's
+output differently with the number of keys it reads (masked ones included)
+and the number of queries beside it: a prompt prefilled in one forward and
+fed one token at a time then leave keys and values one ulp apart, and in
+bfloat16 a near-tie between the two most likely tokens flips. Here every
+query reduces over its keys the same way whatever the batch looks like
+(the fixed-split-size "batch-invariant" attention of He et al. 2025,
+"Defeating Nondeterminism in LLM Inference"):
+
+1. keys are cut into chunks of `chunk` positions from column 0, so a query
+   with n visible keys always sees the same chunks, the last one padded;
+2. scores and each chunk's probability-weighted values are matrix products
+   of fixed width (`chunk`), with at least `MIN_ROWS` rows: float32 products
+   of fewer rows take another kernel that rounds differently, more rows
+   round each row the same (torch 2.13 CPU, MKL and oneDNN);
+3. the softmax uses the exact maximum over all visible scores, so masked
+   keys and padded chunks contribute exact zeros;
+4. chunk sums are added in chunk order (`cumsum`, sequential), where a
+   trailing chunk of zeros changes nothing.
+
+The arithmetic is float32 whatever the cache's dtype. A query's keys must
+sit in the same columns in every feeding pattern: visible keys first, in
+sequence order. A chain reads its slot's columns as they are (`shared`); a
+tree node reads its prefix's whole blocks there too, and the rest (the
+prefix's partial last block, its ancestors, itself) gathered for it alone
+(`tail`, chunks that continue `shared`'s): workers/engine/batch.py.
+
+Shapes: G slots, T new tokens per slot, Hkv key/value heads, rep query heads
+per key/value head, R = rep * T queries per slot and key/value head, padded
+to `rows`; L keys (a multiple of the chunk), C = L / chunk chunks (Cs shared,
+Ct tail), D head size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MIN_ROWS = 4  # rows per product (and a multiple of it): fewer take a differently rounding kernel
+
+Keys = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # keys, values (K, Hkv, L, D); mask
+
+
+def padded(rows: int) -> int:
+    return -(-rows // MIN_ROWS) * MIN_ROWS
+
+
+def pad_rows(x: torch.Tensor, rows: int, value: float | bool = 0.0) -> torch.Tensor:
+    # x: (..., R, X) -> (..., rows, X)
+    return F.pad(x, (0, 0, 0, rows - x.shape[-2]), value=value)
+
+
+def chunked(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    # x: (K, Hkv, L, D) -> (K, Hkv, L / chunk, chunk, D) float32
+    k, h, width, d = x.shape
+    if width % chunk:
+        raise ValueError(f"key width {width} is not a multiple of the chunk ({chunk})")
+    return x.float().view(k, h, width // chunk, chunk, d)
+
+
+def visible(mask: torch.Tensor, rep: int, rows: int, chunk: int) -> torch.Tensor:
+    # mask: (G, 1, T, L) -> (G, 1, C, rows, chunk), each query head of a token as the token
+    g, _, t, width = mask.shape
+    per_query = mask.unsqueeze(2).expand(g, 1, rep, t, width).reshape(g, 1, rep * t, width)
+    padded_mask = pad_rows(per_query, rows, value=True)  # (G, 1, rows, L)
+    return padded_mask.view(g, 1, rows, width // chunk, chunk).transpose(2, 3)
+
+
+def tail_to_slots(x: torch.Tensor, g: int, t: int) -> torch.Tensor:
+    # x: (G * T, Hkv, Ct, rep, X) -> (G, Hkv, Ct, rep * T, X)
+    _, hkv, ct, rep, last = x.shape
+    x = x.view(g, t, hkv, ct, rep, last).permute(0, 2, 3, 4, 1, 5)
+    return x.reshape(g, hkv, ct, rep * t, last)
+
+
+def slots_to_tail(x: torch.Tensor, rep: int, t: int) -> torch.Tensor:
+    # x: (G, Hkv, Ct, rep * T, X) -> (G * T, Hkv, Ct, rep, X)
+    g, hkv, ct, _, last = x.shape
+    x = x.reshape(g, hkv, ct, rep, t, last).permute(0, 4, 1, 2, 3, 5)
+    return x.reshape(g * t, hkv, ct, rep, last)
+
+
+def attend(q: torch.Tensor, shared: Keys, tail: Keys | None, chunk: int) -> torch.Tensor:
+    # q: (G, Hkv, rep, T, D); shared: keys, values (G, Hkv, Ls, D), mask (G, 1, T, Ls);
+    # tail: keys, values (G * T, Hkv, Lt, D), mask (G, 1, T, Lt) -> (G, Hkv, rep, T, D)
+    g, hkv, rep, t, d = q.shape
+    r, rows = rep * t, padded(rep * t)
+    q32 = q.float() * d**-0.5
+    keys, values, mask = shared
+    k, v = chunked(keys, chunk), chunked(values, chunk)  # (G, Hkv, Cs, chunk, D)
+    q_slots = pad_rows(q32.reshape(g, hkv, r, d), rows)  # (G, Hkv, rows, D)
+    scores = [torch.matmul(q_slots.unsqueeze(2), k.transpose(-1, -2))]  # (G, Hkv, Cs, rows, chunk)
+    seen = [visible(mask, rep, rows, chunk)]  # (G, 1, Cs, rows, chunk)
+    if tail is not None:
+        tail_keys, tail_values, tail_mask = tail
+        tk, tv = chunked(tail_keys, chunk), chunked(tail_values, chunk)  # (G*T, Hkv, Ct, chunk, D)
+        q_tokens = q32.permute(0, 3, 1, 2, 4).reshape(g * t, hkv, rep, d)  # (G * T, Hkv, rep, D)
+        q_tokens = pad_rows(q_tokens, padded(rep)).unsqueeze(2)  # (G * T, Hkv, 1, rep', D)
+        tail_scores = torch.matmul(q_tokens, tk.transpose(-1, -2))[..., :rep, :]
+        scores.append(pad_rows(tail_to_slots(tail_scores, g, t), rows))  # (G, Hkv, Ct, rows, chunk)
+        seen.append(visible(tail_mask, rep, rows, chunk))
+    scores = torch.cat(scores, 2).masked_fill(~torch.cat(seen, 2), float("-inf"))
+    top = scores.amax(dim=(2, 4), keepdim=True)  # (G, Hkv, 1, rows, 1): exact, order-free
+    p = torch.exp(scores - top)  # (G, Hkv, C, rows, chunk), masked: 0
+    total = p.sum(-1, keepdim=True).cumsum(2)[:, :, -1]  # (G, Hkv, rows, 1)
+    cs = k.shape[2]
+    weighted = [torch.matmul(p[:, :, :cs], v)]  # (G, Hkv, Cs, rows, D)
+    if tail is not None:
+        p_tokens = pad_rows(slots_to_tail(p[:, :, cs:, :r], rep, t), padded(rep))
+        tail_weighted = torch.matmul(p_tokens, tv)[..., :rep, :]  # (G * T, Hkv, Ct, rep, D)
+        weighted.append(pad_rows(tail_to_slots(tail_weighted, g, t), rows))
+    summed = torch.cat(weighted, 2).cumsum(2)[:, :, -1]  # (G, Hkv, rows, D)
+    out = (summed / total)[:, :, :r]  # (G, Hkv, R, D)
+    return out.reshape(g, hkv, rep, t, d).to(q.dtype)
