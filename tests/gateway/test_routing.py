@@ -172,6 +172,19 @@ def test_non_streaming_disconnect_cancels_generation(tiny_dir):
         wait_until(lambda: len(t0.runner.table) == 0, what="session ended")
 
 
+def conversation_turn(client, messages, name: str, max_tokens: int):
+    """One greedy turn of the conversation `name`: the reply and its prefix-cache hit."""
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_headers={"X-Session-ID": name},
+        extra_body={"speculation_stats": True},
+    )
+    return reply, reply.model_extra["speculation_stats"]["prefix_hit_tokens"]
+
+
 def test_conversation_affinity_reuses_the_cached_prefix(tiny_dir):
     backends = [target(tiny_dir, "t0"), target(tiny_dir, "t1")]
     with live(tiny_dir, backends) as gateway:
@@ -179,15 +192,8 @@ def test_conversation_affinity_reuses_the_cached_prefix(tiny_dir):
         messages = list(CHAT)
         hits, holders = [], []
         for turn in range(3):
-            reply = client.chat.completions.create(
-                model=MODEL,
-                messages=messages,
-                max_tokens=6,
-                temperature=0,
-                extra_headers={"X-Session-ID": "conversation-1"},
-                extra_body={"speculation_stats": True},
-            )
-            hits.append(reply.model_extra["speculation_stats"]["prefix_hit_tokens"])
+            reply, hit = conversation_turn(client, messages, "conversation-1", 6)
+            hits.append(hit)
             holders.append([b.address for b in backends if len(b.runner.table)])
             messages += [
                 {"role": "assistant", "content": reply.choices[0].message.content},
@@ -204,15 +210,7 @@ def test_a_conversation_id_is_scoped_to_its_api_key(tiny_dir):
 
         def prefix_hit(key: str) -> int:
             client = OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
-            reply = client.chat.completions.create(
-                model=MODEL,
-                messages=CHAT,
-                max_tokens=4,
-                temperature=0,
-                extra_headers={"X-Session-ID": "shared-name"},
-                extra_body={"speculation_stats": True},
-            )
-            return reply.model_extra["speculation_stats"]["prefix_hit_tokens"]
+            return conversation_turn(client, CHAT, "shared-name", 4)[1]
 
         assert prefix_hit("key-a") == 0
         assert prefix_hit("key-b") == 0
