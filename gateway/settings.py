@@ -65,7 +65,7 @@ class GatewayOptions(BaseSettings):
         False, description="draft the next round's tree while the target verifies this one"
     )
     suffix_cache_tokens: int = Field(
-        0,
+        16_384,
         ge=0,
         description="the in-gateway n-gram draft also copies from the recent outputs of the "
         "same API key's requests: at most this many tokens per key; 0 = off",

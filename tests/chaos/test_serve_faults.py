@@ -31,7 +31,12 @@ MARGIN_S = 15.0
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
-    server = Serve(tmp_path_factory.mktemp("chaos"), "--targets", "2", "--drain-timeout-s", "60")
+    # no suffix cache: a repeated greedy request would draft its whole answer from the first
+    # one's output, and a fault at the n-th chunk would find nothing running
+    server = Serve(
+        tmp_path_factory.mktemp("chaos"),
+        *("--targets", "2", "--drain-timeout-s", "60", "--suffix-cache-tokens", "0"),
+    )
     server.wait_ready()
     yield server
     if server.process.poll() is None:
