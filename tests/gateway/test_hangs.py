@@ -71,7 +71,9 @@ def stall_the_busy_target_once_warm(gateway, backends, stall_s: float, stalled: 
 def test_a_hung_target_fails_over_to_the_other_one_with_the_same_text(tiny_dir):
     backends = [slow_target(tiny_dir, "t0", 0.01), slow_target(tiny_dir, "t1", 0.01)]
     kw = dict(messages=CHAT, max_tokens=48, temperature=0)
-    with live(tiny_dir, backends, rpc_timeout_s=120) as gateway:
+    # no suffix cache in either test: a repeated greedy request would draft its whole answer
+    # from the first one's output, in too few calls for the stall rule to arm
+    with live(tiny_dir, backends, rpc_timeout_s=120, suffix_cache_tokens=0) as gateway:
         client = client_of(gateway)
         clean = stream_text(client, **kw)
         stream_text(client, **kw)  # the least-loaded pick alternates: both targets are warm
@@ -88,7 +90,7 @@ def test_a_hung_target_fails_over_to_the_other_one_with_the_same_text(tiny_dir):
 def test_with_one_target_a_slow_call_is_waited_for(tiny_dir):
     backends = [slow_target(tiny_dir, "t0", 0.01)]
     kw = dict(messages=CHAT, max_tokens=48, temperature=0)
-    with live(tiny_dir, backends) as gateway:
+    with live(tiny_dir, backends, suffix_cache_tokens=0) as gateway:
         client = client_of(gateway)
         clean = stream_text(client, **kw)
         stalled: list[str] = []

@@ -69,8 +69,13 @@ class Serve:
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
-    # the killed target stays down (no restart within the module): tests/chaos has the restart
-    server = Serve(tmp_path_factory.mktemp("serve"), "--targets", "2", "--restart-backoff-s", "600")
+    # the killed target stays down (no restart within the module): tests/chaos has the restart.
+    # No suffix cache: the kill test repeats a greedy request, which would draft its whole
+    # answer from the first one's output and could end before the 4th chunk
+    server = Serve(
+        tmp_path_factory.mktemp("serve"),
+        *("--targets", "2", "--restart-backoff-s", "600", "--suffix-cache-tokens", "0"),
+    )
     server.wait_ready()
     yield server
     pids = [w["pid"] for w in server.state["workers"]]
