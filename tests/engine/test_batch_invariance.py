@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.engine.tiny import tiny_hf_model
+from workers.engine.attention import MIN_ROWS, scores_by_chunk
 from workers.engine.batch import SlotInput
 from workers.engine.engine import Engine, EngineConfig
 
@@ -91,3 +92,26 @@ def test_batched_with_other_sessions_equals_alone(reference):
         ]
     )
     assert torch.equal(tree[[0, 2, 3]], ref[31:34])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [MIN_ROWS, 8, 52])
+def test_a_score_does_not_depend_on_how_many_keys_its_product_reads(rows, threads):
+    """The attention computes a query's scores in one product with all its keys. That is
+    batch-invariant because an entry of a float32 product of at least MIN_ROWS rows is the
+    same whatever the product's width (torch 2.13 CPU): checked here against the chunk-wide
+    products the weighted values use."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(5)
+        q = torch.randn(2, 3, rows, 64, generator=g)  # (K, Hkv, R, D)
+        keys = torch.randn(2, 3, 1040, 64, generator=g)  # (K, Hkv, L, D)
+        whole = scores_by_chunk(q, keys, 16)  # (K, Hkv, 65, R, 16)
+        for width in (16, 48, 144, 512):
+            part = scores_by_chunk(q, keys[:, :, :width].contiguous(), 16)
+            assert torch.equal(part, whole[:, :, : width // 16])
+        by_chunk = torch.matmul(q.unsqueeze(2), keys.view(2, 3, 65, 16, 64).transpose(-1, -2))
+        assert torch.equal(whole, by_chunk)
+    finally:
+        torch.set_num_threads(before)

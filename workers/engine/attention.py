@@ -11,10 +11,13 @@ query reduces over its keys the same way whatever the batch looks like
 
 1. keys are cut into chunks of `chunk` positions from column 0, so a query
    with n visible keys always sees the same chunks, the last one padded;
-2. scores and each chunk's probability-weighted values are matrix products
-   of fixed width (`chunk`), with at least `MIN_ROWS` rows: float32 products
+2. a score is one dot product over the head size: a query's scores come
+   from one product with all L keys, whose entries do not depend on L; each
+   chunk's probability-weighted values are a product of fixed width
+   (`chunk`). Every product has at least `MIN_ROWS` rows: float32 products
    of fewer rows take another kernel that rounds differently, more rows
-   round each row the same (torch 2.13 CPU, MKL and oneDNN);
+   round each row the same (torch 2.13 CPU, MKL and oneDNN; both properties
+   are tested in tests/engine/test_batch_invariance.py);
 3. the softmax uses the exact maximum over all visible scores, so masked
    keys and padded chunks contribute exact zeros;
 4. chunk sums are added in chunk order (`cumsum`, sequential), where a
@@ -60,6 +63,17 @@ def chunked(x: torch.Tensor, chunk: int) -> torch.Tensor:
     return x.float().view(k, h, width // chunk, chunk, d)
 
 
+def scores_by_chunk(q: torch.Tensor, keys: torch.Tensor, chunk: int) -> torch.Tensor:
+    # q: (K, Hkv, R, D) float32, R a multiple of MIN_ROWS; keys: (K, Hkv, L, D)
+    # -> (K, Hkv, L / chunk, R, chunk): one product over all L keys, viewed by chunk
+    k, h, r, _ = q.shape
+    width = keys.shape[2]
+    if width % chunk:
+        raise ValueError(f"key width {width} is not a multiple of the chunk ({chunk})")
+    scores = torch.matmul(q, keys.float().transpose(-1, -2))  # (K, Hkv, R, L)
+    return scores.view(k, h, r, width // chunk, chunk).transpose(2, 3)
+
+
 def visible(mask: torch.Tensor, rep: int, rows: int, chunk: int) -> torch.Tensor:
     # mask: (G, 1, T, L) -> (G, 1, C, rows, chunk), each query head of a token as the token
     g, _, t, width = mask.shape
@@ -89,25 +103,25 @@ def attend(q: torch.Tensor, shared: Keys, tail: Keys | None, chunk: int) -> torc
     r, rows = rep * t, padded(rep * t)
     q32 = q.float() * d**-0.5
     keys, values, mask = shared
-    k, v = chunked(keys, chunk), chunked(values, chunk)  # (G, Hkv, Cs, chunk, D)
     q_slots = pad_rows(q32.reshape(g, hkv, r, d), rows)  # (G, Hkv, rows, D)
-    scores = [torch.matmul(q_slots.unsqueeze(2), k.transpose(-1, -2))]  # (G, Hkv, Cs, rows, chunk)
+    scores = [scores_by_chunk(q_slots, keys, chunk)]  # (G, Hkv, Cs, rows, chunk)
     seen = [visible(mask, rep, rows, chunk)]  # (G, 1, Cs, rows, chunk)
     if tail is not None:
-        tail_keys, tail_values, tail_mask = tail
-        tk, tv = chunked(tail_keys, chunk), chunked(tail_values, chunk)  # (G*T, Hkv, Ct, chunk, D)
+        tail_keys, tail_values, tail_mask = tail  # (G * T, Hkv, Lt, D) keys, values
         q_tokens = q32.permute(0, 3, 1, 2, 4).reshape(g * t, hkv, rep, d)  # (G * T, Hkv, rep, D)
-        q_tokens = pad_rows(q_tokens, padded(rep)).unsqueeze(2)  # (G * T, Hkv, 1, rep', D)
-        tail_scores = torch.matmul(q_tokens, tk.transpose(-1, -2))[..., :rep, :]
+        q_tokens = pad_rows(q_tokens, padded(rep))  # (G * T, Hkv, rep', D)
+        tail_scores = scores_by_chunk(q_tokens, tail_keys, chunk)[..., :rep, :]
         scores.append(pad_rows(tail_to_slots(tail_scores, g, t), rows))  # (G, Hkv, Ct, rows, chunk)
         seen.append(visible(tail_mask, rep, rows, chunk))
     scores = torch.cat(scores, 2).masked_fill(~torch.cat(seen, 2), float("-inf"))
     top = scores.amax(dim=(2, 4), keepdim=True)  # (G, Hkv, 1, rows, 1): exact, order-free
     p = torch.exp(scores - top)  # (G, Hkv, C, rows, chunk), masked: 0
     total = p.sum(-1, keepdim=True).cumsum(2)[:, :, -1]  # (G, Hkv, rows, 1)
-    cs = k.shape[2]
+    v = chunked(values, chunk)  # (G, Hkv, Cs, chunk, D)
+    cs = v.shape[2]
     weighted = [torch.matmul(p[:, :, :cs], v)]  # (G, Hkv, Cs, rows, D)
     if tail is not None:
+        tv = chunked(tail_values, chunk)  # (G * T, Hkv, Ct, chunk, D)
         p_tokens = pad_rows(slots_to_tail(p[:, :, cs:, :r], rep, t), padded(rep))
         tail_weighted = torch.matmul(p_tokens, tv)[..., :rep, :]  # (G * T, Hkv, Ct, rep, D)
         weighted.append(pad_rows(tail_to_slots(tail_weighted, g, t), rows))

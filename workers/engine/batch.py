@@ -35,9 +35,10 @@ class KeyRows:
 
     count: int  # K
     width: int  # L: a multiple of the KV block size (the attention's chunk)
-    # (K * L,) long: the pool position of each row's columns 0..L-1, row after row
-    # (the null block past the row's own columns)
-    positions: torch.Tensor
+    # (K * Hkv * L,) long: the flat pool entry (head * P + pool position) of each row's
+    # columns 0..L-1 for each key/value head, row after row, head after head (the null
+    # block past the row's own columns): one gather gives (K, Hkv, L, D) contiguous
+    entries: torch.Tensor
     mask: torch.Tensor  # (G, 1, T, L) bool: which columns each new token of each slot sees
 
 
@@ -100,7 +101,9 @@ def key_rows(
     mask = torch.zeros(len(seen), 1, seen[0].shape[0], width, dtype=torch.bool)  # (G, 1, T, L)
     for g, m in enumerate(seen):
         mask[g, 0, :, : m.shape[1]] = m
-    return KeyRows(len(reads), width, read.flatten().to(device), mask.to(device))
+    heads, pool = cache.k.shape[1], cache.k.shape[2]  # Hkv, P
+    entries = torch.arange(heads)[None, :, None] * pool + read[:, None, :]  # (K, Hkv, L)
+    return KeyRows(len(reads), width, entries.flatten().to(device), mask.to(device))
 
 
 def build_batch(rows: list[SlotInput], cache: PagedKVCache, device: torch.device) -> ForwardBatch:

@@ -123,12 +123,12 @@ class PagedKVCache:
         self.v[layer].index_copy_(1, batch.token_positions, v.transpose(0, 1))
 
     def read(self, layer: int, rows: KeyRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """K key rows of L entries: (K, Hkv, L, D) each, gathered from their blocks."""
+        """K key rows of L entries: (K, Hkv, L, D) each, contiguous, gathered from their blocks."""
         out = []
         for pool in (self.k[layer], self.v[layer]):  # (Hkv, P, D)
-            hkv, _, d = pool.shape
-            gathered = pool.index_select(1, rows.positions)  # (Hkv, K * L, D)
-            out.append(gathered.view(hkv, rows.count, rows.width, d).transpose(0, 1))
+            hkv, size, d = pool.shape
+            gathered = pool.view(hkv * size, d).index_select(0, rows.entries)  # (K * Hkv * L, D)
+            out.append(gathered.view(rows.count, hkv, rows.width, d))
         return out[0], out[1]
 
     def commit(self, slot: int, start: int, keep: list[int]) -> None:
