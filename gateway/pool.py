@@ -326,12 +326,23 @@ class Router:
         return uuid.uuid4().hex
 
     def bind(
-        self, role: Role, key: str | None, exclude: set[str], pool: Pool | None = None
+        self,
+        role: Role,
+        key: str | None,
+        exclude: set[str],
+        pool: Pool | None = None,
+        width: int = 0,
     ) -> Worker | None:
         """The affine worker of `pool` (default: the role's) when it is serving, else the
-        least loaded one."""
+        least loaded one. A feature draft is bound only to a session whose target's states
+        are as wide as it feeds on (`width`; 0: any)."""
         pool = pool or self.pool(role)
-        candidates = [w for w in pool.serving() if w.address not in exclude] if pool else []
+        candidates = [
+            w
+            for w in (pool.serving() if pool else [])
+            if w.address not in exclude
+            and not (role == "draft" and width and w.feature_size not in (0, width))
+        ]
         if not candidates:
             return None
         preferred = self.affinity.get(key, {}).get(role) if key is not None else None

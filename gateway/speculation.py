@@ -81,8 +81,8 @@ class PoolRoute:
     def attempts(self, role: Role) -> int:
         return ATTEMPTS + len(self.pool(role).workers)
 
-    def bind(self, role: Role, tried: set[str]) -> Worker | None:
-        return self.router.bind(role, self.affinity, tried, self.pool(role))
+    def bind(self, role: Role, tried: set[str], width: int = 0) -> Worker | None:
+        return self.router.bind(role, self.affinity, tried, self.pool(role), width)
 
     async def call(self, worker: Worker, tokens: int, call: Awaitable[T]) -> T:
         """Bounded by the worker's recent calls while another worker of its pool serves."""

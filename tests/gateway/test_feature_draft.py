@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 from openai import OpenAI
 
-from tests.gateway.helpers import MODEL, live, model_draft, target
+from tests.engine.tiny import tiny_config
+from tests.gateway.helpers import MODEL, live, model_draft, target, word_tokenizer
+from workers.engine.eagle import init_eagle_head, save_eagle_head
 
 CHAT = [{"role": "user", "content": "one two three four five"}]
 GREEDY = dict(model=MODEL, messages=CHAT, max_tokens=40, temperature=0)
@@ -64,3 +66,27 @@ def test_a_failover_to_another_feature_draft_keeps_the_text(tiny_dir, tiny_eagle
     assert first.base_len == 0 and first.features is not None  # the latest round's states
     assert first.features.end == len(first.tokens) - 1  # up to the state before the last token
     assert later and all(c.base_len > 0 for c in later)  # then it drafts on from there
+
+
+def test_a_head_of_another_width_is_never_bound(tiny_dir, tiny_eagle_dir, plain_text, tmp_path):
+    """A pool that also holds a head trained for a narrower target: every session binds the
+    head of its target's width, so no round goes without a draft."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(vocab=len(word_tokenizer()))
+    config.hidden_size, config.intermediate_size = 32, 64
+    narrow, fuse = init_eagle_head(AutoModelForCausalLM.from_config(config), seed=6)
+    narrow_dir = save_eagle_head(tmp_path / "narrow", narrow, fuse, word_tokenizer())
+    heads = [model_draft(narrow_dir, "d0"), model_draft(tiny_eagle_dir, "d1")]
+    asked = []
+    propose = heads[0].drafter.propose
+    heads[0].drafter.propose = lambda batch: asked.extend(batch) or propose(batch)
+    with live(tiny_dir, [target(tiny_dir), *heads]) as gateway:
+        for _ in range(3):  # a new session each: the least loaded head would be d0 in turn
+            reply = client_of(gateway).chat.completions.create(
+                extra_body={"speculation_stats": True}, **GREEDY
+            )
+            assert reply.choices[0].message.content == plain_text
+            stats = reply.model_extra["speculation_stats"]
+            assert stats["draft_tokens"] > 0 and stats["degraded_rounds"] == 0
+    assert asked == []

@@ -67,7 +67,9 @@ class Placed(Protocol):
     backend: Backend
     max_tree_nodes: int  # most nodes it verifies in one tree; 0 = no limit stated
     load: int  # sessions bound to it now
-    feature_size: int  # a feature draft: the width of the target states it feeds on; else 0
+    # a target: the width of the states it returns (0: not stated); a feature draft: the
+    # width of the target states it feeds on; any other draft: 0
+    feature_size: int
 
 
 @dataclass
@@ -86,8 +88,10 @@ class Route(Protocol):
     def attempts(self, role: Role) -> int:
         """Calls one round may make of the role before giving up."""
 
-    def bind(self, role: Role, tried: set[str]) -> Placed | None:
-        """A worker of the role not in `tried` (by address); None when none is left."""
+    def bind(self, role: Role, tried: set[str], width: int = 0) -> Placed | None:
+        """A worker of the role not in `tried` (by address); None when none is left. A draft
+        that feeds on states of another width than `width` (the session's target's; 0: not
+        known) is passed over."""
 
     async def call(self, worker: Placed, tokens: int, call: Awaitable[T]) -> T:
         """Awaits a propose or verify of the worker that asks it to process `tokens` tokens."""
@@ -268,7 +272,9 @@ class Loop:
 
     def bind(self, role: Role, tried: set[str]) -> Placed | None:
         """Binds the session to a new worker of the role, which holds nothing of it yet."""
-        worker = self.route.bind(role, tried)
+        target = self.target.worker
+        width = target.feature_size if role == "draft" and target is not None else 0
+        worker = self.route.bind(role, tried, width)
         if worker is not None:
             seat = self.seat(role)
             seat.worker, seat.held = worker, 0
@@ -340,7 +346,7 @@ class Pair:
     def attempts(self, role: Role) -> int:
         return ATTEMPTS + 1
 
-    def bind(self, role: Role, tried: set[str]) -> Fixed | None:
+    def bind(self, role: Role, tried: set[str], width: int = 0) -> Fixed | None:
         worker = self.target if role == "target" else self.draft
         if worker is None or worker.address in tried:
             return None
