@@ -3,7 +3,9 @@
 `pair(transport, target, draft)` yields a Route: "inprocess" wraps the runners in
 in-process backends, "grpc" serves them as real gRPC workers on localhost
 (serve_role) and reaches them through GrpcBackend. Either way the rounds are
-`Loop.rounds`, the loop the gateway runs.
+`Loop.rounds`, the loop the gateway runs. The workers start each batch at once
+(`batch_wait_ms=0`) unless a test that runs sessions side by side asks them to wait for
+each other, as served workers do (workers/rpc/batcher.py).
 """
 
 from __future__ import annotations
@@ -33,19 +35,21 @@ def drafter(draft: Engine | str):
 
 
 @asynccontextmanager
-async def pair(transport: str, target: Engine, draft: Engine | str | None = None):
+async def pair(
+    transport: str, target: Engine, draft: Engine | str | None = None, batch_wait_ms: float = 0
+):
     if transport == "inprocess":
         runner = TargetRunner(target, SessionTable(target.num_slots))
         local_target = InProcessTarget("target", runner, threaded=False)
         local_draft = None if draft is None else InProcessDraft("draft", drafter(draft), False)
         yield await Pair.of(local_target, local_draft)
         return
-    async with target_worker(target, batch_wait_ms=0) as (_, remote_target):
+    async with target_worker(target, batch_wait_ms=batch_wait_ms) as (_, remote_target):
         if draft is None:
             yield await Pair.of(remote_target)
             return
         model = None if draft == NGRAM else draft
-        async with draft_worker(model, batch_wait_ms=0) as (_, remote_draft):
+        async with draft_worker(model, batch_wait_ms=batch_wait_ms) as (_, remote_draft):
             yield await Pair.of(remote_target, remote_draft)
 
 
