@@ -31,9 +31,6 @@ MESSAGES = [
 ]
 N = 64
 SLOTS = len(MESSAGES) + 1  # every prompt's session at once, and one to spare
-# the served default: a call waits for the other sessions' (until all have one queued), so
-# the three sessions share each forward instead of taking turns
-BATCH_WAIT_MS = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +52,7 @@ async def generate_all(
     stop_ids: frozenset[int] = frozenset(),
 ) -> list[Generation]:
     """Each prompt's greedy generation of up to N tokens, all in flight at once."""
-    async with pair("grpc", target, draft, BATCH_WAIT_MS) as route:
+    async with pair("grpc", target, draft, concurrent=True) as route:
         return await asyncio.gather(
             *(run(route, p, N, spec, SamplingParams(), stop_ids) for p in prompts)
         )
