@@ -5,12 +5,14 @@ in-process backends, "grpc" serves them as real gRPC workers on localhost
 (serve_role) and reaches them through GrpcBackend. Either way the rounds are
 `Loop.rounds`, the loop the gateway runs.
 
-With `concurrent=True` (tests that run many sessions side by side) the sessions share
-forwards as they do on a served worker: in-process, each backend queues its calls in the
-worker's own `Batcher` and runs one runner step for all of them; over gRPC, the workers
-wait for the other sessions' calls (the served `batch_wait_ms`) instead of starting each
-batch at once. A seeded session's tokens do not depend on this: the engine gives a row the
-same logits whatever rows share its forward (tests/engine/test_batch_invariance.py).
+Tests that run many sessions side by side have them share forwards as on a served worker:
+in-process with `concurrent=True` (each backend queues its calls in the worker's own
+`Batcher` and runs one runner step for all of them); over gRPC the workers batch anyway,
+and with the served `batch_wait_ms` (SERVED_BATCH_WAIT_MS) they wait for the other
+sessions' calls instead of starting each batch at once, which pays where forwards are long
+(the embedded model), not on tiny ones. A seeded session's tokens do not depend on any of
+this: the engine gives a row the same logits whatever rows share its forward
+(tests/engine/test_batch_invariance.py).
 """
 
 from __future__ import annotations
@@ -107,19 +109,22 @@ async def inprocess(target: Engine, draft: Engine | str | None, concurrent: bool
 
 @asynccontextmanager
 async def pair(
-    transport: str, target: Engine, draft: Engine | str | None = None, concurrent: bool = False
+    transport: str,
+    target: Engine,
+    draft: Engine | str | None = None,
+    concurrent: bool = False,
+    batch_wait_ms: float = 0,
 ):
     if transport == "inprocess":
         async with inprocess(target, draft, concurrent) as route:
             yield route
         return
-    wait = SERVED_BATCH_WAIT_MS if concurrent else 0
-    async with target_worker(target, batch_wait_ms=wait) as (_, remote_target):
+    async with target_worker(target, batch_wait_ms=batch_wait_ms) as (_, remote_target):
         if draft is None:
             yield await Pair.of(remote_target)
             return
         model = None if draft == NGRAM else draft
-        async with draft_worker(model, batch_wait_ms=wait) as (_, remote_draft):
+        async with draft_worker(model, batch_wait_ms=batch_wait_ms) as (_, remote_draft):
             yield await Pair.of(remote_target, remote_draft)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.decoding.pairs import NGRAM, pair, run
+from tests.decoding.pairs import NGRAM, SERVED_BATCH_WAIT_MS, pair, run
 from workers.draft.ngram import NgramDrafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
@@ -52,7 +52,7 @@ async def generate_all(
     stop_ids: frozenset[int] = frozenset(),
 ) -> list[Generation]:
     """Each prompt's greedy generation of up to N tokens, all in flight at once."""
-    async with pair("grpc", target, draft, concurrent=True) as route:
+    async with pair("grpc", target, draft, batch_wait_ms=SERVED_BATCH_WAIT_MS) as route:
         return await asyncio.gather(
             *(run(route, p, N, spec, SamplingParams(), stop_ids) for p in prompts)
         )
