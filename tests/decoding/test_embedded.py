@@ -1,14 +1,22 @@
-"""Losslessness on the embedded SmolLM2-135M-Instruct: 64 new tokens, several prompts."""
+"""Losslessness on the embedded SmolLM2-135M-Instruct: 64 new tokens, several prompts.
+
+The prompts' generations run at once through real gRPC workers, as the gateway runs them:
+the workers batch the sessions' calls, so a round of all three costs about one forward
+(the engine is batch-invariant: a row's logits do not depend on the rows beside it).
+"""
+
+import asyncio
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.decoding.pairs import NGRAM, SERVED_BATCH_WAIT_MS, pair, run
 from workers.draft.ngram import NgramDrafter
-from workers.draft.runner import ModelDrafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
 from workers.engine.text import encode_chat, stop_token_ids
+from workers.loop import Generation
 from workers.loop.inprocess import LocalDecoder
 from workers.protocol import TreeSpec
 from workers.speculation.sampling import SamplingParams
@@ -22,6 +30,7 @@ MESSAGES = [
     "Write a Python function that checks whether a number is prime, with comments.",
 ]
 N = 64
+SLOTS = len(MESSAGES) + 1  # every prompt's session at once, and one to spare
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +40,30 @@ def prompts(embedded_tokenizer):
 
 @pytest.fixture(scope="module")
 def target(embedded_hf, embedded_tokenizer):
-    config = EngineConfig(max_sessions=2, max_seq_len=512)
+    config = EngineConfig(max_sessions=SLOTS, max_seq_len=512)
     return Engine.from_hf(embedded_hf, embedded_tokenizer, config, "smollm2-135m-instruct")
+
+
+async def generate_all(
+    target: Engine,
+    draft: Engine | str | None,
+    prompts: list[list[int]],
+    spec: TreeSpec = TreeSpec(),
+    stop_ids: frozenset[int] = frozenset(),
+) -> list[Generation]:
+    """Each prompt's greedy generation of up to N tokens, all in flight at once."""
+    async with pair("grpc", target, draft, batch_wait_ms=SERVED_BATCH_WAIT_MS) as route:
+        return await asyncio.gather(
+            *(run(route, p, N, spec, SamplingParams(), stop_ids) for p in prompts)
+        )
 
 
 @pytest.fixture(scope="module")
 def target_only(target, prompts):
     """Target-only greedy up to N tokens or the end-of-sequence token."""
     stops = stop_token_ids(target.tokenizer)
-    decoder = LocalDecoder(TargetRunner(target, SessionTable(2)), None, stop_ids=stops)
-    return [decoder.generate(p, N, SamplingParams()).token_ids for p in prompts]
+    generations = asyncio.run(generate_all(target, None, prompts, stop_ids=stops))
+    return [gen.token_ids for gen in generations]
 
 
 def test_native_greedy_equals_transformers_generate(embedded_hf, prompts, target_only):
@@ -52,35 +75,28 @@ def test_native_greedy_equals_transformers_generate(embedded_hf, prompts, target
 
 
 @pytest.mark.parametrize("tree", [TreeSpec(depth=6, budget=16), TreeSpec(depth=6, branching=1)])
-def test_ngram_draft_equals_target_greedy(target, prompts, target_only, tree):
-    decoder = LocalDecoder(
-        TargetRunner(target, SessionTable(2)), NgramDrafter(SessionTable(4)), tree
-    )
-    for prompt, expected in zip(prompts, target_only, strict=True):
-        gen = decoder.generate(prompt, N, SamplingParams())
-        assert gen.token_ids == expected
+async def test_ngram_draft_equals_target_greedy(target, prompts, target_only, tree):
+    generations = await generate_all(target, NGRAM, prompts, tree)
+    assert [gen.token_ids for gen in generations] == target_only
 
 
-def test_model_draft_equals_target_greedy(
+async def test_model_draft_equals_target_greedy(
     embedded_model_dir, embedded_tokenizer, target, prompts, target_only
 ):
     """A genuinely different draft: the target's first 8 layers under its own head."""
     shallow = AutoModelForCausalLM.from_pretrained(
         embedded_model_dir, dtype=torch.float32, num_hidden_layers=8
     ).eval()
-    draft = Engine.from_hf(shallow, embedded_tokenizer, EngineConfig(max_sessions=2), "shallow")
-    decoder = LocalDecoder(
-        TargetRunner(target, SessionTable(2)),
-        ModelDrafter(draft, SessionTable(2)),
+    draft = Engine.from_hf(shallow, embedded_tokenizer, EngineConfig(max_sessions=SLOTS), "shallow")
+    generations = await generate_all(
+        target,
+        draft,
+        prompts,
         TreeSpec(depth=4, branching=2, budget=8),
         stop_token_ids(embedded_tokenizer),
     )
-    accepted = 0
-    for prompt, expected in zip(prompts, target_only, strict=True):
-        gen = decoder.generate(prompt, N, SamplingParams())
-        assert gen.token_ids == expected
-        accepted += gen.stats.accepted_tokens
-    assert accepted > 0
+    assert [gen.token_ids for gen in generations] == target_only
+    assert sum(gen.stats.accepted_tokens for gen in generations) > 0
 
 
 def test_stop_token_ends_generation(target, embedded_tokenizer, prompts):

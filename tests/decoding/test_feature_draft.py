@@ -291,7 +291,7 @@ async def sampled_counts(transport: str, acceptance: AcceptanceRule) -> torch.Te
         assert loop.counters.draft_tokens > 0  # the head drafted from the target's states
         return loop.state.generated
 
-    async with pair(transport, target, head) as route:
+    async with pair(transport, target, head, concurrent=True) as route:
         for first in range(0, RUNS, CONCURRENT):
             seeds = range(first, min(first + CONCURRENT, RUNS))
             for out in await asyncio.gather(*(one(route, seed) for seed in seeds)):

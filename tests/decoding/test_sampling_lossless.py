@@ -42,7 +42,7 @@ async def sampled_counts(transport: str, params: SamplingParams, tree: TreeSpec)
         seeded = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
         return (await run(route, PROMPT, 3, tree, seeded)).token_ids
 
-    async with pair(transport, target, draft) as route:
+    async with pair(transport, target, draft, concurrent=True) as route:
         for first in range(0, RUNS, CONCURRENT):
             seeds = range(first, min(first + CONCURRENT, RUNS))
             for out in await asyncio.gather(*(one(seed) for seed in seeds)):

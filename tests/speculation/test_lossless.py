@@ -19,6 +19,7 @@ siblings; TreeBuilder.build ranks sampled nodes without their own token.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import pytest
@@ -59,10 +60,16 @@ def target_pairs(params: SamplingParams) -> torch.Tensor:
     return (joint / joint.sum()).reshape(-1)  # (V*V,)
 
 
+@functools.cache
+def draft_probs(temperature: float) -> torch.Tensor:
+    """The draft's next-token probabilities after each token, (V, V), once per temperature."""
+    return target_probs(DRAFT, SamplingParams(temperature=temperature))
+
+
 def draft_tree(policy: TreePolicy, params: SamplingParams, gen: torch.Generator) -> TokenTree:
     """One round of drafting through the engine loop, children sampled without replacement."""
-    draft_probs = target_probs(DRAFT, SamplingParams(temperature=params.temperature))  # (V, V)
-    return run_policy(policy, lambda prev: draft_probs[prev], ROOT, params, gen)[1]
+    probs = draft_probs(params.temperature)  # (V, V)
+    return run_policy(policy, lambda prev: probs[prev], ROOT, params, gen)[1]
 
 
 def first_pair(tree: TokenTree, params: SamplingParams, gen: torch.Generator) -> int:
