@@ -12,6 +12,8 @@ Rows (pick with --rows):
   model-tree            model draft, a tree, fixed size
   model-tree-adaptive   model draft, adaptive tree
   model-tree-overlap    model draft, adaptive tree, overlapped loop
+  hybrid                model draft merged with the n-gram draft each round (--hybrid-draft),
+                        adaptive, the n-gram rows' depth and budget, the model rows' branching
 
 Every SpecSplit row starts its own `specsplit serve` and sends it streaming
 chat completions with httpx. Workloads: `grounded` (rewrite/edit/summarise a
@@ -105,6 +107,7 @@ def serve_configs(s: BenchSettings) -> dict[str, ServeConfig]:
         ServeConfig("model-tree", "model", md, mk, mb),
         ServeConfig("model-tree-adaptive", "model", md, mk, mb, adaptive=True),
         ServeConfig("model-tree-overlap", "model", md, mk, mb, adaptive=True, overlap=True),
+        ServeConfig("hybrid", "model", nd, mk, nb, adaptive=True, hybrid=True),
     ]
     return {c.name: c for c in configs}
 
