@@ -224,7 +224,11 @@ class Speculation(Loop):
 
     def local_tree(self, spec: TreeSpec) -> TokenTree:
         """A hybrid session's n-gram part: prompt lookup over the history and the tenant's
-        suffix cache, matches of HYBRID_MIN_NGRAM tokens or more; else no nodes."""
+        suffix cache, matches of HYBRID_MIN_NGRAM tokens or more; else no nodes.
+
+        When it fills the budget the draft worker sits the round out; a feature draft
+        then gets no states for that round's tokens (only the latest verify's are kept)
+        and feeds them zeros (workers/draft/features.py): lower acceptance, same text."""
         if self.drafter != "hybrid":
             return TokenTree.empty()
         plan = self.state.plan
@@ -291,7 +295,9 @@ class Speculation(Loop):
             # what exact rounds accepted
             if self.recent is not None and self.state.plan.acceptance.lossless:
                 self.recent.observe(round_.accepted, path_depth, self.config)
-            if not round_.degraded and not self.options.overlap:
+            # a round with n-gram nodes timed the lookup (and maybe a smaller draft call),
+            # not the draft's levels of its depth
+            if not round_.degraded and not self.options.overlap and not self.local_nodes:
                 self.level_s += self.config.ewma * (draft_s / path_depth - self.level_s)
         self.metrics.observe_round(
             round_.drafted, round_.accepted, round_.degraded, round_.prefix_hit
