@@ -19,6 +19,7 @@ from workers.rpc.service import serve_role
 
 REPEATS = "one two three four five six one two three four five six one two three"
 OPEN = "the cat sat on a red mat"
+BOTH = 'specsplit_hybrid_rounds_total{parts="both"}'  # rounds that merged both drafts
 # fixed trees, no suffix cache: each request drafts from its own history only
 FIXED = dict(adaptive_tree=False, suffix_cache_tokens=0, tree_depth=4, tree_budget=10)
 
@@ -108,14 +109,22 @@ def test_hybrid_rounds_merge_both_drafts(hybrid, plain):
     assert text == plain[REPEATS]
     assert {r["drafter"] for r in rounds if r["tree_nodes"]} == {"hybrid"}
     metrics = httpx.get(hybrid.url + "/metrics").text
-    assert sample(metrics, 'specsplit_hybrid_rounds_total{parts="both"}') > 0
+    assert sample(metrics, BOTH) > 0
     # rounds whose n-gram tree filled the budget: the draft worker was not asked
     assert sample(metrics, 'specsplit_hybrid_rounds_total{parts="ngram"}') > 0
 
 
+def merged_rounds(live: LiveGateway) -> float:
+    return sample(httpx.get(live.url + "/metrics").text, BOTH)
+
+
 def test_hybrid_seeded_sample_is_a_valid_completion(hybrid):
+    """Sampled: the n-gram nodes join the model's sampled tree as one-hot elder siblings
+    (merge_trees' forest), through the target worker's recursive rejection."""
     client = client_of(hybrid)
+    before = merged_rounds(hybrid)
     replies = [ask(client, REPEATS, temperature=0.8, seed=7) for _ in range(2)]
     first = replies[0].choices[0]
     assert first.text and first.finish_reason in ("stop", "length")
     assert replies[1].choices[0].text == first.text  # the same seed, the same text
+    assert merged_rounds(hybrid) > before  # some of their rounds were merged trees
