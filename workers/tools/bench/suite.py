@@ -150,13 +150,16 @@ def run_suite(s: BenchSettings) -> Run:
     from workers.engine.loader import load_tokenizer, resolve_model
 
     started = time.perf_counter()
-    rows = list(HF_ROWS) + list(serve_configs(s)) if s.rows == "all" else s.names(s.rows)
-    unknown = [r for r in rows if r not in HF_ROWS and r not in serve_configs(s)]
+    configs = serve_configs(s)
+    rows = list(HF_ROWS) + list(configs) if s.rows == "all" else s.names(s.rows)
+    unknown = [r for r in rows if r not in HF_ROWS and r not in configs]
     if unknown:
         raise SystemExit(f"unknown rows: {', '.join(unknown)}")
     target_dir = resolve_model(s.target_model)
     tokenizer = load_tokenizer(target_dir)
-    needs_draft = any(r == "hf-assisted" or r.startswith("model-") for r in rows)
+    needs_draft = any(
+        r == "hf-assisted" or (r in configs and configs[r].draft == "model") for r in rows
+    )
     draft_dir, draft_words = (
         draft_model_dir(s.draft_model, target_dir) if needs_draft else (None, "")
     )
@@ -169,7 +172,7 @@ def run_suite(s: BenchSettings) -> Run:
         run_hf(run, hf_rows, workloads, target_dir, draft_dir, tokenizer)
         gc.collect()
     for name in [r for r in rows if r not in HF_ROWS]:
-        run_serve(run, serve_configs(s)[name], workloads, draft_dir, tokenizer)
+        run_serve(run, configs[name], workloads, draft_dir, tokenizer)
     run.seconds = time.perf_counter() - started
     return run
 
