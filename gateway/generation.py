@@ -110,7 +110,7 @@ class Generator:
     router: Router
     tokenizer: object
     metrics: Metrics
-    options: LoopOptions = LoopOptions()  # how trees are made (adaptive, overlapped)
+    options: LoopOptions = LoopOptions()  # how trees are made (adaptive, overlapped, hybrid)
     suffixes: SuffixCache | None = None  # each choice's output goes here for later drafts
     recent: Acceptance = field(init=False)  # acceptance over every session's recent rounds
 
@@ -143,6 +143,7 @@ class Generator:
             self.options,
             self.recent,
             request.control.method,
+            self.suffixes,
         )
         text = TextStream(self.tokenizer, request.stop)
         origins = Provenance() if request.provenance else None

@@ -1,7 +1,7 @@
 """Prometheus metrics of the gateway, on its own CollectorRegistry (no global state).
 
 Labels are bounded: endpoint and status come from a fixed set of routes and
-codes, phase from {draft, verify, gateway}, position is capped at
+codes, phase from {draft, verify, gateway}, parts from {ngram, model, both}, position is capped at
 MAX_POSITION, role + address are bounded by the worker pools. No session ids.
 
 Speculation is exported as counters so that rates are PromQL over them:
@@ -18,6 +18,10 @@ Speculation is exported as counters so that rates are PromQL over them:
     # acceptance at depth k of the tree (the chance that a round gets past k)
     sum(rate(specsplit_accepted_tokens_per_position_total{position="k"}[5m]))
       / sum(rate(specsplit_verify_steps_total[5m]))
+
+    # share of hybrid rounds whose tree held both the n-gram and the model draft
+    sum(rate(specsplit_hybrid_rounds_total{parts="both"}[5m]))
+      / sum(rate(specsplit_hybrid_rounds_total[5m]))
 
     # share of rounds decoded without a draft because none was healthy
     sum(rate(specsplit_degraded_rounds_total[5m]))
@@ -54,6 +58,8 @@ GENERATION_ENDPOINTS = ("chat", "completions")
 # what the generation routes answer (their `responses=` in gateway/routes.py)
 GENERATION_STATUSES = ("200", "400", "401", "404", "413", "429", "500", "503")
 PHASES = ("draft", "verify", "gateway")  # of one speculation round
+# what a hybrid round's tree held: the gateway's n-gram nodes, the model's, or both
+HYBRID_PARTS = ("ngram", "model", "both")
 ROLES: tuple[Role, ...] = get_args(Role)
 
 MAX_POSITION = 16  # accepted-per-position label values run 0..MAX_POSITION ("16" = 16 and deeper)
@@ -149,6 +155,13 @@ class Metrics:
             ["role", "address"],
             registry=r,
         )
+        self.hybrid_rounds = Counter(
+            "specsplit_hybrid_rounds",
+            "Rounds of hybrid sessions with a tree, by what it held: n-gram nodes only, "
+            "model nodes only (a model node equal to an n-gram one counts as n-gram), or both",
+            ["parts"],
+            registry=r,
+        )
         self.degraded_rounds = Counter(
             "specsplit_degraded_rounds",
             "Rounds decoded by the target alone because no draft worker answered",
@@ -201,6 +214,8 @@ class Metrics:
             self.e2e_latency.labels(endpoint)
         for phase in PHASES:
             self.round_phase.labels(phase)
+        for parts in HYBRID_PARTS:
+            self.hybrid_rounds.labels(parts)
         for position in range(MAX_POSITION + 1):
             self.accepted_per_position.labels(position=str(position))
         for role in ROLES:
@@ -220,3 +235,8 @@ class Metrics:
         if prefix_hit > 0:
             self.prefix_cache_hits.inc()
             self.prefix_cache_hit_tokens.inc(prefix_hit)
+
+    def observe_hybrid(self, ngram_nodes: int, model_nodes: int) -> None:
+        """A hybrid round's tree: its nodes from the n-gram part and those the model added."""
+        parts = "both" if ngram_nodes and model_nodes else "ngram" if ngram_nodes else "model"
+        self.hybrid_rounds.labels(parts).inc()

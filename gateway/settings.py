@@ -64,6 +64,12 @@ class GatewayOptions(BaseSettings):
     overlap_draft: bool = Field(
         False, description="draft the next round's tree while the target verifies this one"
     )
+    hybrid_draft: bool = Field(
+        False,
+        description="with model or feature draft workers, merge the gateway's n-gram draft "
+        "(prompt lookup and the suffix cache) into each round's tree, so one verify checks "
+        "both; the draft worker fills only the budget the n-gram tree leaves",
+    )
     suffix_cache_tokens: int = Field(
         16_384,
         ge=0,
@@ -94,7 +100,7 @@ class GatewayOptions(BaseSettings):
     @property
     def loop_options(self) -> LoopOptions:
         adaptive = AdaptiveConfig(self.adaptive_knee_tokens) if self.adaptive_tree else None
-        return LoopOptions(adaptive, self.overlap_draft)
+        return LoopOptions(adaptive, self.overlap_draft, self.hybrid_draft)
 
     def suffix_cache(self) -> SuffixCache | None:
         """A fresh suffix cache, or None when it is off."""

@@ -9,7 +9,7 @@ emit, re-sends after SessionLost); the gateway gives it:
   (failover), a busy one by another; none left -> 503 (429 when they were
   all busy); a call the target refuses as malformed -> 400. A call that
   hangs past its worker's bound (gateway.hangs) fails over like a crash.
-- `Speculation`, the Loop with the gateway's hooks. Two options change how
+- `Speculation`, the Loop with the gateway's hooks. Three options change how
   trees are made, never what is committed:
   - adaptive trees (gateway.adaptive): each round's depth and budget follow
     the session's recent acceptance, the target's live sessions and its
@@ -17,6 +17,11 @@ emit, re-sends after SessionLost); the gateway gives it:
   - the overlapped loop (gateway.overlap): while round k is verified, the
     draft already proposes round k+1 after the guess that round k accepts
     the tree's spine; a right guess saves the round its propose.
+  - hybrid trees: with a model or feature draft worker, each round's tree
+    is the gateway's own prompt lookup (and the tenant's suffix cache) merged
+    with the worker's tree (workers.speculation.tree.merge_trees), so one
+    verify checks both; the worker is asked only for the budget the n-gram
+    tree leaves, and not at all when it fills it (copy-heavy text).
   and it exports each round's metrics.
 """
 
@@ -33,6 +38,8 @@ from gateway.hangs import Hung
 from gateway.metrics import Metrics
 from gateway.overlap import Lookahead
 from gateway.pool import Pool, Router, Worker
+from workers.draft.ngram import lookup_tree
+from workers.draft.suffix import SuffixCache
 from workers.engine.sessions import common_prefix
 from workers.loop import Loop, LoopState, Plan
 from workers.loop.driver import ATTEMPTS
@@ -56,6 +63,14 @@ class LoopOptions:
 
     adaptive: AdaptiveConfig | None = None  # None: every round proposes the plan's full tree
     overlap: bool = False  # draft round k+1 while round k is verified
+    # merge the gateway's n-gram tree into a model or feature draft's each round; a
+    # look-ahead tree (overlap) stays the model's alone
+    hybrid: bool = False
+
+
+# the shortest match a hybrid round's n-gram part copies after: a one-token match is
+# mostly noise on open-ended text, where the model drafts better
+HYBRID_MIN_NGRAM = 2
 
 
 @dataclass
@@ -132,6 +147,7 @@ class Speculation(Loop):
         options: LoopOptions = LoopOptions(),
         recent: Acceptance | None = None,
         method: str = "auto",
+        suffixes: SuffixCache | None = None,
     ):
         # a conversation keeps its sessions (and their cached prefix) for its next turn
         super().__init__(
@@ -151,6 +167,8 @@ class Speculation(Loop):
         self.outcome: VerifyOutcome | None = None  # the last verify's, with the worker's timings
         self.lookahead: Lookahead | None = None
         self.phases = (0.0, 0.0)  # the last round's draft and verify seconds
+        self.suffixes = suffixes  # other requests' outputs, for a hybrid round's n-gram part
+        self.local_nodes = 0  # of this round's tree, the nodes of its n-gram part
 
     # --- adaptive trees -----------------------------------------------------------------
 
@@ -186,6 +204,7 @@ class Speculation(Loop):
     async def next_tree(self) -> tuple[TokenTree, bool]:
         """The look-ahead tree when its guess came true, else a fresh propose."""
         ahead, self.lookahead = self.lookahead, None
+        self.local_nodes = 0
         if ahead is None:
             return await self.propose()
         tree = await ahead.result()
@@ -200,6 +219,22 @@ class Speculation(Loop):
             return ready, False
         self.counters.lookahead_misses += 1
         return await self.propose()
+
+    # --- hybrid trees ------------------------------------------------------------------
+
+    def local_tree(self, spec: TreeSpec) -> TokenTree:
+        """A hybrid session's n-gram part: prompt lookup over the history and the tenant's
+        suffix cache, matches of HYBRID_MIN_NGRAM tokens or more; else no nodes.
+
+        When it fills the budget the draft worker sits the round out; a feature draft
+        then gets no states for that round's tokens (only the latest verify's are kept)
+        and feeds them zeros (workers/draft/features.py): lower acceptance, same text."""
+        if self.drafter != "hybrid":
+            return TokenTree.empty()
+        plan = self.state.plan
+        tree = lookup_tree(self.history, spec, self.suffixes, plan.tenant, HYBRID_MIN_NGRAM)
+        self.local_nodes = len(tree)
+        return tree
 
     def before_verify(self, tree: TokenTree) -> None:
         """With the overlapped loop, starts drafting the round after this one (see
@@ -238,11 +273,14 @@ class Speculation(Loop):
 
     @property
     def drafter(self) -> str | None:
-        """What drafts the session: "ngram" (prompt lookup) or "model"; None: no draft."""
+        """What drafts the session: "ngram" (prompt lookup), "model" (a model or feature
+        draft) or "hybrid" (a model draft merged with prompt lookup); None: no draft."""
         worker = self.draft.worker
         if worker is None or worker.info is None:
             return None
-        return "ngram" if worker.info.model_id == "ngram" else "model"
+        if worker.info.model_id == "ngram":
+            return "ngram"
+        return "hybrid" if self.options.hybrid else "model"
 
     def observe(self, tree: TokenTree, round_, draft_s: float, verify_s: float) -> None:
         self.phases = (draft_s, verify_s)
@@ -257,11 +295,15 @@ class Speculation(Loop):
             # what exact rounds accepted
             if self.recent is not None and self.state.plan.acceptance.lossless:
                 self.recent.observe(round_.accepted, path_depth, self.config)
-            if not round_.degraded and not self.options.overlap:
+            # a round with n-gram nodes timed the lookup (and maybe a smaller draft call),
+            # not the draft's levels of its depth
+            if not round_.degraded and not self.options.overlap and not self.local_nodes:
                 self.level_s += self.config.ewma * (draft_s / path_depth - self.level_s)
         self.metrics.observe_round(
             round_.drafted, round_.accepted, round_.degraded, round_.prefix_hit
         )
+        if len(tree) and self.drafter == "hybrid":
+            self.metrics.observe_hybrid(self.local_nodes, len(tree) - self.local_nodes)
 
     def observe_cost(self, verify_s: float) -> None:
         """Teaches the target's cost fit this round: its batch's tokens and seconds.

@@ -69,6 +69,7 @@ def test_rows_describe_their_configuration():
     tree, chain = configs["ngram-tree"], configs["ngram-chain"]
     assert tree.budget == chain.budget  # the tree/chain comparison is at the same budget
     assert "overlap" in configs["model-tree-overlap"].describe()
+    assert configs["hybrid"].describe().startswith("model tree") and configs["hybrid"].hybrid
     assert ServeConfig("x", "ngram", 4, 2, 8, adaptive=True).describe().endswith("adaptive")
 
 

@@ -1,5 +1,6 @@
 """A feature (EAGLE-style) draft behind the gateway: the output is the target's, through
-the pool's routing, with the look-ahead on, and across a failover to another head."""
+the pool's routing, with the look-ahead on, merged with the n-gram draft (hybrid), and
+across a failover to another head."""
 
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ def plain_text(tiny_dir) -> str:
         return client_of(gateway).chat.completions.create(**GREEDY).choices[0].message.content
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize(
+    "overlap, hybrid", [(False, False), (True, False), (False, True)], ids=["", "overlap", "hybrid"]
+)
 def test_a_feature_draft_gives_the_targets_greedy_text(
-    tiny_dir, tiny_eagle_dir, plain_text, overlap
+    tiny_dir, tiny_eagle_dir, plain_text, overlap, hybrid
 ):
     backends = [target(tiny_dir), model_draft(tiny_eagle_dir)]
-    with live(tiny_dir, backends, overlap_draft=overlap) as gateway:
+    with live(tiny_dir, backends, overlap_draft=overlap, hybrid_draft=hybrid) as gateway:
         reply = client_of(gateway).chat.completions.create(
             extra_body={"speculation_stats": True}, **GREEDY
         )

@@ -35,6 +35,7 @@ from workers.speculation import (
     TreeBuilder,
     TreePolicy,
     make_generator,
+    merge_trees,
     ngram_tree,
     sample,
     stochastic_verify,
@@ -43,6 +44,7 @@ from workers.speculation import (
 
 # the package re-exports the function `verify`, which shadows the submodule's attribute
 verify_module = importlib.import_module("workers.speculation.verify")
+tree_module = importlib.import_module("workers.speculation.tree")
 
 V = 5  # vocabulary
 ROOT = 2  # the last committed token
@@ -190,3 +192,36 @@ def test_power_sampled_rerank_by_own_logp_is_caught(monkeypatch: pytest.MonkeyPa
     params = SamplingParams(temperature=1.0, top_k=3)
     _, p = run_rounds(lambda gen: draft_tree(SMALL_DYNAMIC, params, gen), params, 6_000)
     assert p < 1e-6, f"the chi-square test missed a lossy rerank (p={p:.2e})"
+
+
+# Hybrid rounds: a deterministic n-gram chain merged with a sampled model tree. The chain
+# starts with the draft's likeliest token after ROOT, so the model often draws it again.
+
+
+HYBRID_PARAMS = SamplingParams(temperature=0.7)  # the likeliest draft token: q = 0.67
+
+
+def _hybrid_parts(params: SamplingParams, gen: torch.Generator) -> tuple[TokenTree, TokenTree]:
+    likeliest = int(DRAFT[ROOT].argmax())
+    then = int(TARGET[likeliest].argmin())  # a continuation the target rarely takes
+    lookup = ngram_tree([ROOT, likeliest, then, ROOT], depth=2, budget=2)  # (2,) chain
+    assert lookup.tokens.tolist() == [likeliest, then]
+    return lookup, draft_tree(SMALL_STATIC, params, gen)
+
+
+def test_hybrid_tree_is_lossless():
+    def make_tree(gen: torch.Generator) -> TokenTree:
+        return merge_trees(*_hybrid_parts(HYBRID_PARAMS, gen), budget=8)
+
+    _, p = run_rounds(make_tree, HYBRID_PARAMS, 3_000)
+    assert p > 1e-3, f"speculative pairs differ from the target (chi-square p={p:.2e})"
+
+
+def test_power_deduplicating_a_sampled_hybrid_is_caught():
+    # the trie union applied to a sampled tree: a model child equal to the n-gram's is
+    # merged into it, so the model's later siblings no longer follow their recorded rows
+    def make_tree(gen: torch.Generator) -> TokenTree:
+        return tree_module._union(*_hybrid_parts(HYBRID_PARAMS, gen), 8, dedupe=True)
+
+    _, p = run_rounds(make_tree, HYBRID_PARAMS, 2_000)
+    assert p < 1e-6, f"the chi-square test missed a lossy merge (p={p:.2e})"

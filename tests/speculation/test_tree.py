@@ -12,6 +12,7 @@ from workers.speculation import (
     children,
     depths,
     leaf_paths,
+    merge_trees,
     path_to,
     tree_mask,
     validate_tree,
@@ -156,3 +157,62 @@ def test_validate_tree():
             _tree([1], [-1], q_tokens=torch.tensor([[1, 9]]), q_probs=torch.tensor([[1.0, 0.0]])),
             vocab_size=3,
         )
+
+
+# --- merging two drafts (a hybrid round) -------------------------------------------------
+
+#   n-gram:  root ─ 0:a ─ 1:b ─ 2:c        model:  root ─ 0:a ─ 1:b ─ 3:e
+#                                                       │     └ 2:d
+#                                                       └ 4:f
+A, B, C, D, E, F = 10, 11, 12, 13, 14, 15
+NGRAM = TokenTree.chain([A, B, C])
+MODEL = _tree([A, B, D, E, F], [-1, 0, 0, 1, -1])
+
+
+def test_merge_deterministic_is_a_trie_union():
+    merged = merge_trees(NGRAM, MODEL, budget=16)
+    # the model's a and a-b are the n-gram's nodes 0 and 1; its new nodes follow in order
+    assert merged.tokens.tolist() == [A, B, C, D, E, F]
+    assert merged.parents.tolist() == [-1, 0, 1, 0, 1, -1]
+    assert not merged.sampled
+    validate_tree(merged, vocab_size=16)
+
+
+def test_merge_cut_at_budget_keeps_parents():
+    merged = merge_trees(NGRAM, MODEL, budget=4)
+    assert merged.tokens.tolist() == [A, B, C, D]
+    assert merged.parents.tolist() == [-1, 0, 1, 0]
+    # the first tree alone over the budget: its topological prefix
+    assert merge_trees(MODEL, NGRAM, budget=2).tokens.tolist() == [A, B]
+    # a node of the second tree whose parent was cut is cut too
+    deep = _tree([F, A], [-1, 0])
+    merged = merge_trees(TokenTree.chain([B, C]), deep, budget=2)
+    assert merged.tokens.tolist() == [B, C]
+
+
+def test_merge_with_an_empty_tree():
+    assert merge_trees(TokenTree.empty(), NGRAM, budget=8).tokens.tolist() == [A, B, C]
+    assert merge_trees(NGRAM, TokenTree.empty(), budget=8).parents.tolist() == [-1, 0, 1]
+    assert len(merge_trees(TokenTree.empty(), TokenTree.empty(), budget=8)) == 0
+
+
+def test_merge_sampled_is_a_forest_with_one_hot_rows():
+    q_tokens = torch.tensor([[A, D, E], [B, C, F], [D, F, E], [E, A, B], [F, A, B]])  # (5, 3)
+    q_probs = torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.4, 0.0], [0.5, 0.5, 0.0],
+                            [1.0, 0.0, 0.0], [0.7, 0.2, 0.1]])  # fmt: skip
+    sampled = _tree([A, B, D, E, F], [-1, 0, 0, 1, -1], q_tokens=q_tokens, q_probs=q_probs)
+    merged = merge_trees(NGRAM, sampled, budget=7)
+    # no de-duplication: the model's a is a second root after the n-gram's chain
+    assert merged.tokens.tolist() == [A, B, C, A, B, D, E]
+    assert merged.parents.tolist() == [-1, 0, 1, -1, 3, 3, 4]
+    assert merged.q_tokens.shape == (7, 3)
+    assert merged.q_tokens[:3].tolist() == [[A, A, A], [B, B, B], [C, C, C]]
+    assert merged.q_probs[:3].tolist() == [[1.0, 0.0, 0.0]] * 3
+    assert torch.equal(merged.q_tokens[3:], q_tokens[:4])
+    assert torch.equal(merged.q_probs[3:], q_probs[:4])
+    validate_tree(merged, vocab_size=16)
+    # the other way round, the deterministic rows come second, still padded to K
+    merged = merge_trees(sampled, NGRAM, budget=16)
+    assert merged.parents.tolist() == [-1, 0, 0, 1, -1, -1, 5, 6]
+    assert merged.q_probs[5:].tolist() == [[1.0, 0.0, 0.0]] * 3
+    validate_tree(merged, vocab_size=16)

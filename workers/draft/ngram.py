@@ -8,11 +8,39 @@ answers the same `propose(calls) -> [TokenTree | Exception]` as
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from workers.draft.suffix import SuffixCache
 from workers.engine.sessions import SessionTable
-from workers.protocol import ProposeCall, WorkerInfo
+from workers.protocol import ProposeCall, TreeSpec, WorkerInfo
 from workers.speculation.ngram import ngram_tree
 from workers.speculation.tree import TokenTree, check_tokens
+
+
+def lookup_tree(
+    history: Sequence[int],
+    spec: TreeSpec,
+    suffixes: SuffixCache | None,
+    tenant: str | None,
+    min_ngram: int = 1,
+) -> TokenTree:
+    """The n-gram drafter's tree within `spec` after `history`: prompt lookup, plus the
+    tenant's cached outputs when there is a suffix cache and a tenant (None: a request that
+    neither reads nor feeds it). Also the n-gram part of a hybrid round
+    (gateway/speculation.py), which asks for longer matches."""
+    if spec.depth == 0 or spec.budget == 0:
+        return TokenTree.empty()
+    shared = []
+    if suffixes is not None and tenant is not None:
+        shared = suffixes.continuations(tenant, history, spec.depth)
+    return ngram_tree(
+        history,
+        min_ngram=min_ngram,
+        depth=spec.depth,
+        budget=spec.budget,
+        chain=spec.branching == 1,
+        shared=shared,
+    )
 
 
 class NgramDrafter:
@@ -36,22 +64,8 @@ class NgramDrafter:
                 if self.vocab_size is not None:
                     check_tokens(call.tokens, self.vocab_size)
                 synced = self.table.sync(call.session_id, call.base_len, call.tokens, rollback=True)
-                spec = call.spec
-                if spec.depth == 0 or spec.budget == 0:
-                    results.append(TokenTree.empty())
-                else:
-                    history = synced.session.committed
-                    shared = []
-                    if self.suffixes is not None and call.tenant is not None:
-                        shared = self.suffixes.continuations(call.tenant, history, spec.depth)
-                    tree = ngram_tree(
-                        history,
-                        depth=spec.depth,
-                        budget=spec.budget,
-                        chain=spec.branching == 1,
-                        shared=shared,
-                    )
-                    results.append(tree)
+                history = synced.session.committed
+                results.append(lookup_tree(history, call.spec, self.suffixes, call.tenant))
             except Exception as error:  # noqa: BLE001 - returned to that caller only
                 results.append(error)
         return results

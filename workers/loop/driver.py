@@ -24,8 +24,9 @@ fails over like a crash (gateway/hangs.py).
 `Pair` is the route over one fixed draft and target (`specsplit generate`,
 the benchmarks, the tests); the gateway's route pools workers and fails
 over (gateway/speculation.py), and its subclass of `Loop` sizes trees to
-acceptance and load and drafts ahead through the hooks `shape`,
-`next_tree`, `before_verify`, `observe` and `after_emit`.
+acceptance and load, drafts ahead and merges its own n-gram draft into the
+draft worker's trees through the hooks `shape`, `next_tree`, `local_tree`,
+`before_verify`, `observe` and `after_emit`.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
 
 from workers.loop.state import Generation, LoopState, Plan, Round
@@ -51,7 +52,7 @@ from workers.protocol import (
     WorkerBusy,
     WorkerError,
 )
-from workers.speculation.tree import TokenTree
+from workers.speculation.tree import TokenTree, merge_trees
 
 log = logging.getLogger("specsplit.loop")
 
@@ -165,6 +166,11 @@ class Loop:
         """The round's tree, and whether the round is degraded (no draft answered)."""
         return await self.propose()
 
+    def local_tree(self, spec: TreeSpec) -> TokenTree:
+        """Draft nodes made without the draft worker, merged first into its tree (within
+        `spec`'s budget); the empty tree: none."""
+        return TokenTree.empty()
+
     def before_verify(self, tree: TokenTree) -> None:
         """Called with the tree just before it is verified."""
 
@@ -190,14 +196,30 @@ class Loop:
         return self.state.fit(spec, limit, extra)
 
     async def propose(self) -> tuple[TokenTree, bool]:
-        """The draft's tree after the history, and whether the round is degraded."""
+        """The round's tree after the history, and whether the round is degraded.
+
+        The tree is `local_tree`'s (none by default) merged with the draft worker's, which
+        is asked only for the nodes the local tree leaves of the budget; when the local
+        tree fills it, or the draft fails, the local tree goes alone."""
         if not self.route.drafts:
             return TokenTree.empty(), False
         if self.target.worker is None:  # bound first: the tree must fit its limits
             self.bind("target", set())
+        if self.draft.worker is None:  # and the draft: the local tree depends on its kind
+            self.bind("draft", set())
         spec = self.tree_spec()
         if spec is None:
             return TokenTree.empty(), False
+        local = self.local_tree(spec)
+        if not len(local):
+            return await self.draft_tree(spec)
+        if len(local) >= spec.budget:
+            return local, False
+        drafted, _ = await self.draft_tree(replace(spec, budget=spec.budget - len(local)))
+        return merge_trees(local, drafted, spec.budget), False
+
+    async def draft_tree(self, spec: TreeSpec) -> tuple[TokenTree, bool]:
+        """The draft worker's tree within `spec`, and whether none answered."""
         tried: set[str] = set()
         for _ in range(self.route.attempts("draft")):
             worker = self.draft.worker or self.bind("draft", tried)

@@ -293,3 +293,75 @@ def subtree(tree: TokenTree, path: Sequence[int], budget: int) -> TokenTree | No
     q_tokens = tree.q_tokens[index] if tree.q_tokens is not None else None  # (M, K)
     q_probs = tree.q_probs[index] if tree.q_probs is not None else None  # (M, K)
     return TokenTree(tree.tokens[index], new_parents, q_tokens, q_probs)
+
+
+def merge_trees(first: TokenTree, second: TokenTree, budget: int) -> TokenTree:
+    """One tree holding both drafts (a hybrid round: n-gram first, then the model's).
+
+    `first`'s nodes come first, in their order, then `second`'s in theirs; at
+    most `budget` nodes, each kept with its parent (a node whose parent was cut
+    is cut too), so the result stays topological.
+
+    - Both deterministic (no q rows): a trie union. A node of `second` whose
+      token equals a child of the same (merged) parent is that child: the
+      target verifies each candidate path once.
+    - Either sampled: no de-duplication, a forest: `first`'s roots are the
+      elder siblings, `second`'s come after; a deterministic side gets one-hot
+      q rows, both sides padded with probability-0 entries to the wider K.
+      Lossless (see `stochastic_verify`): each sibling is still drawn from its
+      recorded q row given its elder siblings, since a deterministic draft's
+      token is a fixed function of the history (one-hot), and `second` drew
+      its nodes knowing nothing of `first`'s. A duplicate of a rejected elder
+      is rejected with certainty (the residual has no mass on a rejected
+      one-hot token): wasted, never wrong. Merging it into the elder instead
+      would be lossy: the later siblings' rows would no longer be what they
+      were drawn from (tests/speculation/test_lossless.py shows it caught).
+    """
+    return _union(first, second, budget, dedupe=not (first.sampled or second.sampled))
+
+
+def _union(first: TokenTree, second: TokenTree, budget: int, dedupe: bool) -> TokenTree:
+    """`merge_trees` with de-duplication chosen by the caller."""
+    parents: list[int] = []  # merged parent of each kept node
+    source: list[tuple[TokenTree, int]] = []  # (tree, index) of each kept node
+    child: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+    for tree in (first, second):
+        # where each node of `tree` went in the merge; -1: the root, None: cut
+        placed: list[int | None] = []
+        tokens = tree.tokens.tolist()
+        for i, parent in enumerate(tree.parents.tolist()):
+            at = -1 if parent < 0 else placed[parent]
+            same = child.get((at, tokens[i])) if dedupe else None
+            if same is not None:
+                placed.append(same)
+            elif at is None or len(parents) >= budget:
+                placed.append(None)
+            else:
+                placed.append(len(parents))
+                child[(at, tokens[i])] = len(parents)
+                parents.append(at)
+                source.append((tree, i))
+    tokens = torch.tensor([int(t.tokens[i]) for t, i in source], dtype=torch.long)  # (N,)
+    new_parents = torch.tensor(parents, dtype=torch.long)  # (N,)
+    if not (first.sampled or second.sampled):
+        return TokenTree(tokens, new_parents)
+    k = max(t.q_tokens.shape[1] for t in (first, second) if t.q_tokens is not None)
+    rows = [_q_row(t, i, k) for t, i in source]
+    q_tokens = torch.stack([r[0] for r in rows]) if rows else torch.empty(0, k, dtype=torch.long)
+    q_probs = torch.stack([r[1] for r in rows]) if rows else torch.empty(0, k)
+    return TokenTree(tokens, new_parents, q_tokens, q_probs)  # q: (N, K), (N, K)
+
+
+def _q_row(tree: TokenTree, i: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Node i's q row padded to width k with probability-0 entries: (k,) long, (k,) float.
+    A deterministic node's row is one-hot on its token."""
+    if tree.q_tokens is None or tree.q_probs is None:
+        tokens, probs = tree.tokens[i : i + 1], torch.ones(1)  # (1,), (1,)
+    else:
+        tokens, probs = tree.q_tokens[i], tree.q_probs[i].float()  # (K',), (K',)
+    pad = k - tokens.shape[0]
+    # padding repeats the row's first token with probability 0 (verify adds, not assigns)
+    return (
+        torch.cat([tokens, tokens[:1].expand(pad)]),
+        torch.cat([probs, torch.zeros(pad)]),
+    )

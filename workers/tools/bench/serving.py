@@ -39,6 +39,7 @@ class ServeConfig:
     budget: int = 0  # most tree nodes
     adaptive: bool = False  # adaptive trees (gateway.adaptive)
     overlap: bool = False  # the overlapped loop (gateway.overlap)
+    hybrid: bool = False  # the model draft's trees merged with the gateway's n-gram draft
 
     def describe(self) -> str:
         if self.draft == "none":
@@ -48,7 +49,8 @@ class ServeConfig:
             if self.branching == 1
             else f"tree, depth {self.depth}, {self.budget} nodes"
         )
-        extras = [x for x, on in (("adaptive", self.adaptive), ("overlap", self.overlap)) if on]
+        options = (("hybrid", self.hybrid), ("adaptive", self.adaptive), ("overlap", self.overlap))
+        extras = [x for x, on in options if on]
         return f"{self.draft} {shape}" + (f", {' + '.join(extras)}" if extras else "")
 
 
@@ -137,6 +139,7 @@ class Serve(ServeProcess):
         args += ["--tree-budget", str(config.budget)]
         args += ["--adaptive-tree" if config.adaptive else "--no-adaptive-tree"]
         args += ["--overlap-draft" if config.overlap else "--no-overlap-draft"]
+        args += ["--hybrid-draft" if config.hybrid else "--no-hybrid-draft"]
         args += ["--adaptive-knee-tokens", str(knee_tokens)]
         env = dict(os.environ)
         if worker_threads > 0:  # the workers' torch threads (the gateway barely uses torch)

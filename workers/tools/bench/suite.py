@@ -12,6 +12,8 @@ Rows (pick with --rows):
   model-tree            model draft, a tree, fixed size
   model-tree-adaptive   model draft, adaptive tree
   model-tree-overlap    model draft, adaptive tree, overlapped loop
+  hybrid                model draft merged with the n-gram draft each round (--hybrid-draft),
+                        adaptive, the n-gram rows' depth and budget, the model rows' branching
 
 Every SpecSplit row starts its own `specsplit serve` and sends it streaming
 chat completions with httpx. Workloads: `grounded` (rewrite/edit/summarise a
@@ -105,6 +107,7 @@ def serve_configs(s: BenchSettings) -> dict[str, ServeConfig]:
         ServeConfig("model-tree", "model", md, mk, mb),
         ServeConfig("model-tree-adaptive", "model", md, mk, mb, adaptive=True),
         ServeConfig("model-tree-overlap", "model", md, mk, mb, adaptive=True, overlap=True),
+        ServeConfig("hybrid", "model", nd, mk, nb, adaptive=True, hybrid=True),
     ]
     return {c.name: c for c in configs}
 
@@ -147,13 +150,16 @@ def run_suite(s: BenchSettings) -> Run:
     from workers.engine.loader import load_tokenizer, resolve_model
 
     started = time.perf_counter()
-    rows = list(HF_ROWS) + list(serve_configs(s)) if s.rows == "all" else s.names(s.rows)
-    unknown = [r for r in rows if r not in HF_ROWS and r not in serve_configs(s)]
+    configs = serve_configs(s)
+    rows = list(HF_ROWS) + list(configs) if s.rows == "all" else s.names(s.rows)
+    unknown = [r for r in rows if r not in HF_ROWS and r not in configs]
     if unknown:
         raise SystemExit(f"unknown rows: {', '.join(unknown)}")
     target_dir = resolve_model(s.target_model)
     tokenizer = load_tokenizer(target_dir)
-    needs_draft = any(r == "hf-assisted" or r.startswith("model-") for r in rows)
+    needs_draft = any(
+        r == "hf-assisted" or (r in configs and configs[r].draft == "model") for r in rows
+    )
     draft_dir, draft_words = (
         draft_model_dir(s.draft_model, target_dir) if needs_draft else (None, "")
     )
@@ -166,7 +172,7 @@ def run_suite(s: BenchSettings) -> Run:
         run_hf(run, hf_rows, workloads, target_dir, draft_dir, tokenizer)
         gc.collect()
     for name in [r for r in rows if r not in HF_ROWS]:
-        run_serve(run, serve_configs(s)[name], workloads, draft_dir, tokenizer)
+        run_serve(run, configs[name], workloads, draft_dir, tokenizer)
     run.seconds = time.perf_counter() - started
     return run
 
