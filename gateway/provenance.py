@@ -14,8 +14,9 @@ beside `choices` on each chunk that carries a choice's text, an object
 - `tokens`: the generated tokens whose text the chunk carries, in order; their
   `text`s join to exactly the chunk's text. `i` counts the choice's generated
   tokens from 0. `source` "draft": a draft token the target accepted (`kind`
-  "accepted", `drafter` "ngram", "model" or "hybrid": a model draft's tree
-  merged with the gateway's prompt lookup); "target": the token the target
+  "accepted", `drafter` "ngram" (prompt lookup), "model" (a draft model), "feature"
+  (an EAGLE-style head) or "hybrid" (either's tree merged with the gateway's prompt
+  lookup)); "target": the token the target
   adds after the accepted path, a "correction" where it replaced a draft guess
   the target rejected, a "bonus" where the draft had proposed nothing further.
   A character that several tokens make (the bytes of one UTF-8 character) is
@@ -45,7 +46,7 @@ class Origin:
     round: int  # the choice's round that committed it, from 1
     source: str  # "draft" (accepted from the draft's tree) or "target"
     kind: str  # "accepted" (draft), "bonus" or "correction" (target)
-    drafter: str | None = None  # for draft tokens: "ngram", "model" or "hybrid"
+    drafter: str | None = None  # for draft tokens: "ngram", "model", "feature" or "hybrid"
 
     def as_dict(self) -> dict:
         out = {"round": self.round, "source": self.source, "kind": self.kind}

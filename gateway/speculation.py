@@ -273,14 +273,17 @@ class Speculation(Loop):
 
     @property
     def drafter(self) -> str | None:
-        """What drafts the session: "ngram" (prompt lookup), "model" (a model or feature
-        draft) or "hybrid" (a model draft merged with prompt lookup); None: no draft."""
+        """What drafts the session: "ngram" (prompt lookup), "model" (a draft model),
+        "feature" (an EAGLE-style head) or "hybrid" (either merged with prompt lookup);
+        None: no draft."""
         worker = self.draft.worker
         if worker is None or worker.info is None:
             return None
         if worker.info.model_id == "ngram":
             return "ngram"
-        return "hybrid" if self.options.hybrid else "model"
+        if self.options.hybrid:
+            return "hybrid"
+        return "feature" if worker.feature_size else "model"
 
     def observe(self, tree: TokenTree, round_, draft_s: float, verify_s: float) -> None:
         self.phases = (draft_s, verify_s)

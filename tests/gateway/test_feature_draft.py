@@ -93,3 +93,16 @@ def test_a_head_of_another_width_is_never_bound(tiny_dir, tiny_eagle_dir, plain_
             stats = reply.model_extra["speculation_stats"]
             assert stats["draft_tokens"] > 0 and stats["degraded_rounds"] == 0
     assert asked == []
+
+
+def test_provenance_names_a_feature_draft(tiny_dir, tiny_eagle_dir, plain_text):
+    with live(tiny_dir, [target(tiny_dir), model_draft(tiny_eagle_dir)]) as gateway:
+        stream = client_of(gateway).chat.completions.create(
+            stream=True, stream_options={"include_provenance": True}, **GREEDY
+        )
+        text, rounds = "", []
+        for chunk in stream:
+            text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+            rounds += (chunk.model_extra.get("specsplit") or {}).get("rounds", [])
+    assert text == plain_text
+    assert {r["drafter"] for r in rounds if r["tree_nodes"]} == {"feature"}

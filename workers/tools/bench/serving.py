@@ -96,9 +96,11 @@ class ServeProcess:
             cwd=self.cwd,
         )
         threading.Thread(target=self._drain, daemon=True).start()
-        if not self.ready.wait(self.timeout_s):
-            self.__exit__()
-            raise RuntimeError("serve did not get ready:\n" + "".join(self.lines[-30:]))
+        deadline = time.monotonic() + self.timeout_s
+        while not self.ready.wait(1.0):  # a serve that exits is not waited for to the end
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError("serve did not get ready:\n" + "".join(self.lines[-30:]))
         return self
 
     def _drain(self) -> None:
