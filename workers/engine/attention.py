@@ -55,23 +55,26 @@ def pad_rows(x: torch.Tensor, rows: int, value: float | bool = 0.0) -> torch.Ten
     return F.pad(x, (0, 0, 0, rows - x.shape[-2]), value=value)
 
 
+def chunks(width: int, chunk: int) -> int:
+    """How many chunks `width` keys make; they must make whole ones."""
+    if width % chunk:
+        raise ValueError(f"key width {width} is not a multiple of the chunk ({chunk})")
+    return width // chunk
+
+
 def chunked(x: torch.Tensor, chunk: int) -> torch.Tensor:
     # x: (K, Hkv, L, D) -> (K, Hkv, L / chunk, chunk, D) float32
     k, h, width, d = x.shape
-    if width % chunk:
-        raise ValueError(f"key width {width} is not a multiple of the chunk ({chunk})")
-    return x.float().view(k, h, width // chunk, chunk, d)
+    return x.float().view(k, h, chunks(width, chunk), chunk, d)
 
 
 def scores_by_chunk(q: torch.Tensor, keys: torch.Tensor, chunk: int) -> torch.Tensor:
     # q: (K, Hkv, R, D) float32, R a multiple of MIN_ROWS; keys: (K, Hkv, L, D)
     # -> (K, Hkv, L / chunk, R, chunk): one product over all L keys, viewed by chunk
     k, h, r, _ = q.shape
-    width = keys.shape[2]
-    if width % chunk:
-        raise ValueError(f"key width {width} is not a multiple of the chunk ({chunk})")
+    count = chunks(keys.shape[2], chunk)
     scores = torch.matmul(q, keys.float().transpose(-1, -2))  # (K, Hkv, R, L)
-    return scores.view(k, h, r, width // chunk, chunk).transpose(2, 3)
+    return scores.view(k, h, r, count, chunk).transpose(2, 3)
 
 
 def visible(mask: torch.Tensor, rep: int, rows: int, chunk: int) -> torch.Tensor:
