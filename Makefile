@@ -48,7 +48,9 @@ bench: $(STAMP)
 	$(BIN)/specsplit bench engine $(ARGS)
 
 # Locust against a running SpecSplit (`make run` in another shell), headless;
-# CSV files (specsplit_stats.csv, ...) and report.html land in $(RESULTS).
+# CSV files (specsplit_stats.csv, ...), specsplit.json and report.html land in $(RESULTS).
+# Locust rewrites the CSV files once a second and not at exit, so a request that ends
+# in the run's last second can be missing there; specsplit.json holds the final totals.
 URL ?= http://$(HOST):$(PORT)
 USERS ?= 4
 DURATION ?= 60s
@@ -57,7 +59,7 @@ loadtest: $(STAMP)
 	mkdir -p $(RESULTS)
 	$(BIN)/locust -f loadtest/locustfile.py --headless --host $(URL) \
 		--users $(USERS) --spawn-rate $(USERS) --run-time $(DURATION) --stop-timeout 120 \
-		--csv $(RESULTS)/specsplit --html $(RESULTS)/report.html $(ARGS)
+		--csv $(RESULTS)/specsplit --json-file $(RESULTS)/specsplit --html $(RESULTS)/report.html $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
