@@ -76,8 +76,16 @@ class WorkerSettings(EngineOptions):
     batch_wait_ms: float = Field(
         10.0,
         ge=0,
-        description="most a call waits for others to join its batch (it stops waiting once "
-        "every session active in the last second has a call queued)",
+        description="a call waits at least this long for others to join its batch (it stops "
+        "waiting once every session of the previous batch has a call queued)",
+    )
+    batch_wait_share: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="a call waits up to this share of the previous batch's duration when that "
+        "is longer than --batch-wait-ms (the gateway's round trip grows with its streams, and "
+        "a session that misses a batch waits a whole one)",
     )
     max_batch_tokens: int = Field(
         2048, ge=1, description="a batch stops growing at this many tokens"

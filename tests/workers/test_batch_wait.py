@@ -1,4 +1,5 @@
-"""The batching window closes early once every session the worker holds has a call queued."""
+"""The batching window closes early once every session of the previous batch has a call queued;
+it lasts a share of the previous batch's duration."""
 
 import asyncio
 import time
@@ -8,21 +9,53 @@ import pytest
 from workers.rpc.batcher import Batcher, EngineThread
 
 
-async def run(held: list[str], calls: list[str], timeout: float = 10) -> list[list[str]]:
+async def run(held: list[str], rounds: list[list[str]], timeout: float = 10) -> list[list[str]]:
+    """Each round's calls are submitted together once the previous round is answered."""
     seen: list[list[str]] = []
 
     def step(batch: list[str]) -> list[str]:
-        seen.append(list(batch))
+        seen.append(sorted(batch))
         return batch
 
     thread = EngineThread()
-    # a window far longer than the test: only the live-session rule can close it
+    # a window far longer than the test: only the everyone-back rule can close it early
     batcher = Batcher(
         step, thread, key=lambda c: c, cost=len, wait_s=600, held_sessions=lambda: held
     )
     batcher.start()
     try:
-        await asyncio.wait_for(asyncio.gather(*(batcher.submit(c) for c in calls)), timeout)
+        for calls in rounds:
+            await asyncio.wait_for(asyncio.gather(*(batcher.submit(c) for c in calls)), timeout)
+    finally:
+        await batcher.close()
+        thread.close()
+    return seen
+
+
+async def test_a_first_batch_waits_its_window():
+    with pytest.raises(TimeoutError):
+        await run(["a"], [["a"]], timeout=0.5)  # nobody was in a previous batch: who else comes?
+
+
+async def drained_first(held: list[str], first: list[str], then: list[list[str]]):
+    """A first batch run at once (as on a drain), then the rounds under the window."""
+    seen: list[list[str]] = []
+
+    def step(batch: list[str]) -> list[str]:
+        seen.append(sorted(batch))
+        return batch
+
+    thread = EngineThread()
+    batcher = Batcher(
+        step, thread, key=lambda c: c, cost=len, wait_s=600, held_sessions=lambda: held
+    )
+    batcher.start()
+    try:
+        batcher.wait_ns = 0
+        await asyncio.gather(*(batcher.submit(c) for c in first))
+        batcher.wait_ns = int(600e9)
+        for calls in then:
+            await asyncio.wait_for(asyncio.gather(*(batcher.submit(c) for c in calls)), 0.5)
     finally:
         await batcher.close()
         thread.close()
@@ -30,24 +63,63 @@ async def run(held: list[str], calls: list[str], timeout: float = 10) -> list[li
 
 
 async def test_a_session_alone_does_not_wait():
-    assert await run(["a"], ["a"]) == [["a"]]
+    assert await drained_first(["a"], ["a"], [["a"]] * 3) == [["a"]] * 4
 
 
-async def test_every_held_session_queued_closes_the_batch():
-    assert await run(["a", "b"], ["a", "b"]) == [["a", "b"]]
+async def test_every_session_of_the_previous_batch_back_closes_the_batch():
+    assert await drained_first(["a", "b"], ["a", "b"], [["a", "b"]] * 2) == [["a", "b"]] * 3
 
 
-async def test_a_new_session_waits_for_others():
+async def test_a_session_no_longer_held_is_not_waited_for():
+    # "b" was in the previous batch but the worker ended it: "a" alone does not wait
+    assert await drained_first(["a"], ["a", "b"], [["a"]]) == [["a", "b"], ["a"]]
+
+
+async def test_a_session_of_the_previous_batch_is_waited_for():
     with pytest.raises(TimeoutError):
-        await run(["a"], ["b"], timeout=0.5)  # "b" is not held yet: it waits the (600 s) window
+        await drained_first(["a", "b"], ["a", "b"], [["a"]])  # "b" is due back: "a" waits
+
+
+async def test_the_window_is_a_share_of_the_previous_step():
+    """A late session still joins when its round trip is longer than wait_s but shorter
+    than the share of the step; with the share at 0 it misses every other batch."""
+
+    async def batches(share: float) -> list[list[str]]:
+        seen: list[list[str]] = []
+
+        def step(batch: list[str]) -> list[str]:
+            seen.append(sorted(batch))
+            time.sleep(0.2)
+            return batch
+
+        async def session(name: str, round_trip: float) -> None:
+            for _ in range(4):
+                await batcher.submit(name)
+                await asyncio.sleep(round_trip)
+
+        thread = EngineThread()
+        batcher = Batcher(
+            step, thread, key=lambda c: c, cost=len, wait_s=0.005, wait_share=share,
+            held_sessions=lambda: ["a", "b"],
+        )
+        batcher.start()
+        try:
+            await asyncio.wait_for(asyncio.gather(session("a", 0.0), session("b", 0.03)), 20)
+        finally:
+            await batcher.close()
+            thread.close()
+        return seen
+
+    assert await batches(0.5) == [["a", "b"]] * 4
+    assert len(await batches(0.0)) > 4
 
 
 async def test_sessions_out_of_phase_merge_again():
     """A call queued during a step waits for that step's sessions to call again.
 
-    "a" runs alone; "b" arrives during a's step, older than the window when the
-    step ends. Counting the window from the step's end lets "a" (back 10 ms
-    later) join "b" instead of the two alternating in batches of one."""
+    "a" runs alone after its window; "b" arrives during a's step, older than the
+    window when the step ends. Counting the window from the step's end lets "a"
+    (back 10 ms later) join "b" instead of the two alternating in batches of one."""
     held = ["a"]
     seen: list[list[str]] = []
 
@@ -70,7 +142,7 @@ async def test_sessions_out_of_phase_merge_again():
     )
     batcher.start()
     try:
-        await asyncio.wait_for(asyncio.gather(session("a", 0), session("b", 0.02)), 10)
+        await asyncio.wait_for(asyncio.gather(session("a", 0), session("b", 0.08)), 10)
     finally:
         await batcher.close()
         thread.close()

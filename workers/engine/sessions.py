@@ -171,11 +171,6 @@ class SessionTable:
             self.cache.release(session.slot)
         return True
 
-    def active(self, within_s: float) -> list[str]:
-        """Sessions used in the last `within_s` seconds (those likely to call again soon)."""
-        recent = self.clock() - within_s
-        return [s.id for s in list(self.sessions.values()) if s.last_used >= recent]
-
     def reap_idle(self) -> list[str]:
         """Ends sessions idle for longer than the timeout; returns their ids."""
         limit = self.clock() - self.idle_timeout_s

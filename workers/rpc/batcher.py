@@ -5,24 +5,29 @@ touches them runs on one `EngineThread`. A `Batcher` queues the calls that
 arrive from many gRPC handlers and hands them to the runner's batched step
 (`TargetRunner.verify(calls)`, `ModelDrafter.propose(calls)`) as one list:
 
-    arrive -> queue -> [wait until batch_wait has passed since the first call
+    arrive -> queue -> [wait until the window has passed since the first call
     arrived and since the previous step ended, or the queue holds max_tokens,
-    or every active session has a call queued] -> take calls up to max_tokens
-    -> step(calls) on the engine thread -> each caller gets its own result or
-    exception
+    or every session of the previous step has its next call queued] -> take
+    calls up to max_tokens -> step(calls) on the engine thread -> each caller
+    gets its own result or exception
 
-The wait also counts from the previous step's end because the sessions of
-that step call again a network round trip later: without it, a call that
-queued during a step would run alone right after it, the step's sessions
-would queue during that lone step, and the two groups would alternate,
-half-size batches for ever. With it they merge again. A session appears at
-most once per batch; a second call of the same session goes in the next
-one, as does a call that did not fit, without waiting again. A call the step
-answers `UNFINISHED` (a long prompt prefilled in chunks) goes back to the head
-of the queue and joins the next batch with the calls of the other sessions:
-it waits for every active session to queue a call, for up to the duration of
-the step it just had (it is in no hurry; without the wait it would run alone
-while the others' calls travel, and they would get every other step only).
+The window is `wait_s` or `wait_share` of the previous step's duration,
+whichever is longer. It also counts from the previous step's end because the
+sessions of that step call again a round trip later (the gateway streams,
+drafts and sends the next round): without it, a call that queued during a
+step would run alone right after it, the step's sessions would queue during
+that lone step, and the two groups would alternate, half-size batches for
+ever. The round trip grows with the streams the gateway serves (20-60 ms at
+16 streams on a 2-core machine), so a fixed few milliseconds split the
+batch, while waiting a share of a step costs less than the step a late
+session would otherwise wait for. A session appears at most once per batch;
+a second call of the same session goes in the next one, as does a call that
+did not fit, without waiting again. A call the step answers `UNFINISHED` (a
+long prompt prefilled in chunks) goes back to the head of the queue and
+joins the next batch with the calls of the other sessions: it waits for the
+previous step's sessions for up to the duration of the step it just had (it
+is in no hurry; without the wait it would run alone while the others' calls
+travel, and they would get every other step only).
 """
 
 from __future__ import annotations
@@ -41,10 +46,6 @@ from typing import Generic, TypeVar
 from workers.protocol import UNFINISHED, Timings
 
 log = logging.getLogger(__name__)
-
-# a session that called within this many seconds is expected to call again (the batch
-# waits for it); older ones (a conversation kept for its next turn) are not waited for
-ACTIVE_S = 1.0
 
 C = TypeVar("C")  # a call (VerifyCall, ProposeCall)
 R = TypeVar("R")  # its result (VerifyOutcome, TokenTree)
@@ -94,6 +95,7 @@ class Batcher(Generic[C, R]):
         key: Callable[[C], str],
         cost: Callable[[C], int],
         wait_s: float = 0.002,
+        wait_share: float = 0.0,
         max_tokens: int = 2048,
         on_batch: Callable[[BatchReport], None] = lambda report: None,
         held_sessions: Callable[[], Collection[str]] | None = None,
@@ -102,12 +104,12 @@ class Batcher(Generic[C, R]):
         self.thread = thread
         self.key = key  # the session of a call; one call per session per batch
         self.cost = cost  # the tokens a call feeds, roughly
-        self.wait_ns = int(wait_s * 1e9)  # most a call waits for others to join its batch
+        self.wait_ns = int(wait_s * 1e9)  # a call waits at least this long for others to join
+        self.wait_share = wait_share  # ... or this share of the previous step's duration
         self.max_tokens = max_tokens  # a batch stops growing at this summed cost
         self.on_batch = on_batch
-        # the sessions the worker holds and that called lately (None: unknown); when the
-        # queue holds a call of each and of no other, nobody else is coming: waiting is pure
-        # latency (one stream alone). A new session's first call still waits.
+        # the sessions the worker holds (None: unknown); a session of the previous step that
+        # it no longer holds (ended) is not waited for
         self.held_sessions = held_sessions
         self.batches = 0  # steps run
         self.largest = 0  # most calls in one step
@@ -118,6 +120,7 @@ class Batcher(Generic[C, R]):
         self._task: asyncio.Task | None = None
         self._last_end_ns = 0  # when the previous step ended
         self._last_step_ns = 0  # how long it took
+        self._expected: set[str] = set()  # its sessions: each calls again a round trip later
         self.patience = True  # unfinished calls wait for the others (off once draining)
 
     def start(self) -> None:
@@ -126,6 +129,7 @@ class Batcher(Generic[C, R]):
     def drain(self) -> None:
         """From now on run queued calls at once, without waiting for others to join."""
         self.wait_ns = 0
+        self.wait_share = 0.0
         self.patience = False
         self._full.set()
 
@@ -146,18 +150,23 @@ class Batcher(Generic[C, R]):
         self._queue.append(_Queued(call, self.key(call), cost, time.perf_counter_ns(), future))
         self._queued_cost += cost
         self._ready.set()
-        if self._queued_cost >= self.max_tokens or self._everyone_queued():
+        if self._queued_cost >= self.max_tokens or self._everyone_back():
             self._full.set()
         return await future
 
-    def _everyone_queued(self) -> bool:
-        if self.held_sessions is None or not self._queue:
+    def _everyone_back(self) -> bool:
+        """Every session of the previous step (still held) has its next call queued: nobody
+        else is due, so waiting is pure latency (one stream alone). With no previous step
+        (the first calls, or its sessions all ended) the window runs its course."""
+        if not self._queue or not self._expected:
             return False
-        try:
-            held = set(self.held_sessions())  # the engine thread may be changing it
-        except RuntimeError:
-            return False
-        return {q.key for q in self._queue} == held
+        expected = self._expected
+        if self.held_sessions is not None:
+            try:
+                expected = expected & set(self.held_sessions())  # the engine thread may change it
+            except RuntimeError:
+                return False
+        return bool(expected) and expected <= {q.key for q in self._queue}
 
     async def _run(self) -> None:
         while True:
@@ -174,16 +183,16 @@ class Batcher(Generic[C, R]):
                 log.exception("batch step failed")
 
     async def _gather(self) -> None:
-        """Waits until wait_ns after the oldest call and the last step, or the queue is full."""
+        """Waits until the window after the oldest call and the last step has passed, or
+        the queue is full, or everyone is back."""
         oldest = self._queue[0]
         since = max(oldest.arrived_ns, self._last_end_ns)
-        wait_ns = (
-            max(self.wait_ns, self._last_step_ns)
-            if oldest.patient and self.patience
-            else self.wait_ns
-        )
+        if oldest.patient and self.patience:
+            wait_ns = max(self.wait_ns, self._last_step_ns)
+        else:
+            wait_ns = max(self.wait_ns, int(self.wait_share * self._last_step_ns))
         left_ns = since + wait_ns - time.perf_counter_ns()
-        full = self._queued_cost >= self.max_tokens or self._everyone_queued()
+        full = self._queued_cost >= self.max_tokens or self._everyone_back()
         if left_ns <= 0 or oldest.passed_over or full:
             return
         self._full.clear()
@@ -222,6 +231,7 @@ class Batcher(Generic[C, R]):
             results = [error] * len(batch)
         self._last_end_ns = time.perf_counter_ns()
         forward_ns = self._last_step_ns = self._last_end_ns - start
+        self._expected = {q.key for q in batch}
         self.batches += 1
         self.largest = max(self.largest, len(batch))
         again = [q for q, result in zip(batch, results, strict=True) if result is UNFINISHED]

@@ -23,7 +23,7 @@ from workers.draft.runner import ModelDrafter
 from workers.engine.sessions import SessionTable
 from workers.protocol import ProposeCall, Role, TreeSpec, VerifyCall
 from workers.rpc import convert
-from workers.rpc.batcher import ACTIVE_S, Batcher, EngineThread
+from workers.rpc.batcher import Batcher, EngineThread
 from workers.rpc.metrics import MeteredEngine, WorkerMetrics
 from workers.rpc.server import WorkerServer
 from workers.target.runner import TargetRunner
@@ -160,9 +160,10 @@ async def serve_role(role: Role, engine: Engine | None, settings: WorkerSettings
         key=lambda call: call.session_id,
         cost=partial(verify_cost if target else propose_cost, prefill_chunk=chunk),
         wait_s=settings.batch_wait_ms / 1000,
+        wait_share=settings.batch_wait_share,
         max_tokens=settings.max_batch_tokens,
         on_batch=metrics.observe_batch,
-        held_sessions=lambda: runner.table.active(ACTIVE_S),
+        held_sessions=lambda: runner.table.sessions.keys(),
     )
     servicer = WorkerServicer(runner, batcher, thread, settings.max_tree_nodes, cache_len)
     service = SERVICES[role]
