@@ -99,7 +99,12 @@ async def test_the_window_is_a_share_of_the_previous_step():
 
         thread = EngineThread()
         batcher = Batcher(
-            step, thread, key=lambda c: c, cost=len, wait_s=0.005, wait_share=share,
+            step,
+            thread,
+            key=lambda c: c,
+            cost=len,
+            wait_s=0.005,
+            wait_share=share,
             held_sessions=lambda: ["a", "b"],
         )
         batcher.start()
