@@ -20,8 +20,9 @@ query reduces over its keys the same way whatever the batch looks like
    are tested in tests/engine/test_batch_invariance.py);
 3. the softmax uses the exact maximum over all visible scores, so masked
    keys and padded chunks contribute exact zeros;
-4. chunk sums are added in chunk order (`cumsum`, sequential), where a
-   trailing chunk of zeros changes nothing.
+4. chunk sums are added in a fixed order: the chunks padded with zero ones
+   to a power of two, the second half added to the first until one is left
+   (`sum_chunks`); a batch's wider padding only adds exact zeros first.
 
 The arithmetic is float32 whatever the cache's dtype. A query's keys must
 sit in the same columns in every feeding pattern: visible keys first, in
@@ -66,6 +67,20 @@ def chunked(x: torch.Tensor, chunk: int) -> torch.Tensor:
     # x: (K, Hkv, L, D) -> (K, Hkv, L / chunk, chunk, D) float32
     k, h, width, d = x.shape
     return x.float().view(k, h, chunks(width, chunk), chunk, d)
+
+
+def sum_chunks(x: torch.Tensor) -> torch.Tensor:
+    # x: (G, Hkv, C, rows, X) -> (G, Hkv, rows, X): C padded to a power of two with zero
+    # chunks, then halves added (chunk i + chunk i + C/2 ...): with zeros past a query's own
+    # chunks every wider padding reduces to the narrower one's sums exactly
+    count = x.shape[2]
+    width = 1 << (count - 1).bit_length()
+    if width > count:
+        x = F.pad(x, (0, 0, 0, 0, 0, width - count))
+    while width > 1:
+        width //= 2
+        x = x[:, :, :width] + x[:, :, width:]
+    return x[:, :, 0]
 
 
 def scores_by_chunk(q: torch.Tensor, keys: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -117,9 +132,9 @@ def attend(q: torch.Tensor, shared: Keys, tail: Keys | None, chunk: int) -> torc
         scores.append(pad_rows(tail_to_slots(tail_scores, g, t), rows))  # (G, Hkv, Ct, rows, chunk)
         seen.append(visible(tail_mask, rep, rows, chunk))
     scores = torch.cat(scores, 2).masked_fill(~torch.cat(seen, 2), float("-inf"))
-    top = scores.amax(dim=(2, 4), keepdim=True)  # (G, Hkv, 1, rows, 1): exact, order-free
+    top = scores.amax(4, keepdim=True).amax(2, keepdim=True)  # (G, Hkv, 1, rows, 1): exact
     p = torch.exp(scores - top)  # (G, Hkv, C, rows, chunk), masked: 0
-    total = p.sum(-1, keepdim=True).cumsum(2)[:, :, -1]  # (G, Hkv, rows, 1)
+    total = sum_chunks(p.sum(-1, keepdim=True))  # (G, Hkv, rows, 1)
     v = chunked(values, chunk)  # (G, Hkv, Cs, chunk, D)
     cs = v.shape[2]
     weighted = [torch.matmul(p[:, :, :cs], v)]  # (G, Hkv, Cs, rows, D)
@@ -128,6 +143,6 @@ def attend(q: torch.Tensor, shared: Keys, tail: Keys | None, chunk: int) -> torc
         p_tokens = pad_rows(slots_to_tail(p[:, :, cs:, :r], rep, t), padded(rep))
         tail_weighted = torch.matmul(p_tokens, tv)[..., :rep, :]  # (G * T, Hkv, Ct, rep, D)
         weighted.append(pad_rows(tail_to_slots(tail_weighted, g, t), rows))
-    summed = torch.cat(weighted, 2).cumsum(2)[:, :, -1]  # (G, Hkv, rows, D)
+    summed = sum_chunks(torch.cat(weighted, 2))  # (G, Hkv, rows, D)
     out = (summed / total)[:, :, :r]  # (G, Hkv, R, D)
     return out.reshape(g, hkv, rep, t, d).to(q.dtype)
