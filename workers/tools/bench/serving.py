@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -156,9 +157,10 @@ async def stream_chat(
     max_tokens: int,
     count_tokens,
     extra: dict | None = None,
+    api_key: str = "",
 ) -> Timed:
     """One streaming chat completion, greedy; `count_tokens(text)` sizes each chunk; `extra`
-    adds fields to the body."""
+    adds fields to the body; `api_key` (its Bearer) picks the request's suffix-cache tenant."""
     body = {
         **(extra or {}),
         "model": MODEL_NAME,
@@ -171,7 +173,9 @@ async def stream_chat(
     }
     timed = Timed(time.perf_counter())
     texts: list[str] = []
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = url + "/v1/chat/completions"
+    async with client.stream("POST", url, json=body, headers=headers) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()!r}")
         async for line in response.aiter_lines():
@@ -219,8 +223,11 @@ async def run_streams(
 ) -> tuple[list[Timed], float]:
     """`streams` clients, each sending `requests_per_stream` requests back to back.
 
-    Stream i sends conversations i, i + streams, ... (cycled). Returns every
-    request's timing, in (stream, request) order, and the wall time."""
+    Stream i sends conversations i, i + streams, ... (cycled). Each request is a tenant
+    of its own (a fresh Bearer key; the bench's serves accept any): the streams repeat
+    the prompts, and the suffix cache a tenant's requests share would copy the earlier
+    answers to the same prompt (`specsplit bench suffix` measures that gain on purpose).
+    Returns every request's timing, in (stream, request) order, and the wall time."""
     limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
     timeout = httpx.Timeout(600.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
@@ -229,7 +236,10 @@ async def run_streams(
             out = []
             for r in range(requests_per_stream):
                 key = (i + r * streams) % len(conversations)
-                timed = await stream_chat(client, url, conversations[key], max_tokens, count_tokens)
+                messages, api_key = conversations[key], secrets.token_hex(8)
+                timed = await stream_chat(
+                    client, url, messages, max_tokens, count_tokens, api_key=api_key
+                )
                 timed.key = key
                 out.append(timed)
             return out
