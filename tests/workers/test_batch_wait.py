@@ -9,8 +9,12 @@ import pytest
 from workers.rpc.batcher import Batcher, EngineThread
 
 
-async def run(held: list[str], rounds: list[list[str]], timeout: float = 10) -> list[list[str]]:
-    """Each round's calls are submitted together once the previous round is answered."""
+async def run(
+    held: list[str], rounds: list[list[str]], first: list[str] | None = None, timeout: float = 0.5
+) -> list[list[str]]:
+    """`first` run as one batch at once (as on a drain), then each round's calls submitted
+    together once the previous round is answered, under a window far longer than the
+    test: only the everyone-back rule can close it early."""
     seen: list[list[str]] = []
 
     def step(batch: list[str]) -> list[str]:
@@ -18,12 +22,15 @@ async def run(held: list[str], rounds: list[list[str]], timeout: float = 10) -> 
         return batch
 
     thread = EngineThread()
-    # a window far longer than the test: only the everyone-back rule can close it early
     batcher = Batcher(
         step, thread, key=lambda c: c, cost=len, wait_s=600, held_sessions=lambda: held
     )
     batcher.start()
     try:
+        if first:
+            batcher.wait_ns = 0
+            await asyncio.gather(*(batcher.submit(c) for c in first))
+            batcher.wait_ns = int(600e9)
         for calls in rounds:
             await asyncio.wait_for(asyncio.gather(*(batcher.submit(c) for c in calls)), timeout)
     finally:
@@ -34,50 +41,25 @@ async def run(held: list[str], rounds: list[list[str]], timeout: float = 10) -> 
 
 async def test_a_first_batch_waits_its_window():
     with pytest.raises(TimeoutError):
-        await run(["a"], [["a"]], timeout=0.5)  # nobody was in a previous batch: who else comes?
-
-
-async def drained_first(held: list[str], first: list[str], then: list[list[str]]):
-    """A first batch run at once (as on a drain), then the rounds under the window."""
-    seen: list[list[str]] = []
-
-    def step(batch: list[str]) -> list[str]:
-        seen.append(sorted(batch))
-        return batch
-
-    thread = EngineThread()
-    batcher = Batcher(
-        step, thread, key=lambda c: c, cost=len, wait_s=600, held_sessions=lambda: held
-    )
-    batcher.start()
-    try:
-        batcher.wait_ns = 0
-        await asyncio.gather(*(batcher.submit(c) for c in first))
-        batcher.wait_ns = int(600e9)
-        for calls in then:
-            await asyncio.wait_for(asyncio.gather(*(batcher.submit(c) for c in calls)), 0.5)
-    finally:
-        await batcher.close()
-        thread.close()
-    return seen
+        await run(["a"], [["a"]])  # nobody was in a previous batch: who else comes?
 
 
 async def test_a_session_alone_does_not_wait():
-    assert await drained_first(["a"], ["a"], [["a"]] * 3) == [["a"]] * 4
+    assert await run(["a"], [["a"]] * 3, first=["a"]) == [["a"]] * 4
 
 
 async def test_every_session_of_the_previous_batch_back_closes_the_batch():
-    assert await drained_first(["a", "b"], ["a", "b"], [["a", "b"]] * 2) == [["a", "b"]] * 3
+    assert await run(["a", "b"], [["a", "b"]] * 2, first=["a", "b"]) == [["a", "b"]] * 3
 
 
 async def test_a_session_no_longer_held_is_not_waited_for():
     # "b" was in the previous batch but the worker ended it: "a" alone does not wait
-    assert await drained_first(["a"], ["a", "b"], [["a"]]) == [["a", "b"], ["a"]]
+    assert await run(["a"], [["a"]], first=["a", "b"]) == [["a", "b"], ["a"]]
 
 
 async def test_a_session_of_the_previous_batch_is_waited_for():
     with pytest.raises(TimeoutError):
-        await drained_first(["a", "b"], ["a", "b"], [["a"]])  # "b" is due back: "a" waits
+        await run(["a", "b"], [["a"]], first=["a", "b"])  # "b" is due back: "a" waits
 
 
 async def test_the_window_is_a_share_of_the_previous_step():
