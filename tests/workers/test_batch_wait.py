@@ -62,43 +62,52 @@ async def test_a_session_of_the_previous_batch_is_waited_for():
         await run(["a", "b"], [["a"]], first=["a", "b"])  # "b" is due back: "a" waits
 
 
+async def paced(
+    step_s: float, wait_s: float, share: float, sessions: dict[str, tuple[float, float]]
+) -> list[list[str]]:
+    """Sessions {name: (start, round trip)} of four calls each against steps of `step_s`
+    seconds; a session is held from its start. Returns the batches."""
+    held: list[str] = []
+    seen: list[list[str]] = []
+
+    def step(batch: list[str]) -> list[str]:
+        seen.append(sorted(batch))
+        time.sleep(step_s)
+        return batch
+
+    async def session(name: str, start: float, round_trip: float) -> None:
+        await asyncio.sleep(start)
+        held.append(name)
+        for _ in range(4):
+            await batcher.submit(name)
+            await asyncio.sleep(round_trip)
+
+    thread = EngineThread()
+    batcher = Batcher(
+        step,
+        thread,
+        key=lambda c: c,
+        cost=len,
+        wait_s=wait_s,
+        wait_share=share,
+        held_sessions=lambda: held,
+    )
+    batcher.start()
+    try:
+        runs = (session(name, *pace) for name, pace in sessions.items())
+        await asyncio.wait_for(asyncio.gather(*runs), 20)
+    finally:
+        await batcher.close()
+        thread.close()
+    return seen
+
+
 async def test_the_window_is_a_share_of_the_previous_step():
     """A late session still joins when its round trip is longer than wait_s but shorter
     than the share of the step; with the share at 0 it misses every other batch."""
-
-    async def batches(share: float) -> list[list[str]]:
-        seen: list[list[str]] = []
-
-        def step(batch: list[str]) -> list[str]:
-            seen.append(sorted(batch))
-            time.sleep(0.2)
-            return batch
-
-        async def session(name: str, round_trip: float) -> None:
-            for _ in range(4):
-                await batcher.submit(name)
-                await asyncio.sleep(round_trip)
-
-        thread = EngineThread()
-        batcher = Batcher(
-            step,
-            thread,
-            key=lambda c: c,
-            cost=len,
-            wait_s=0.005,
-            wait_share=share,
-            held_sessions=lambda: ["a", "b"],
-        )
-        batcher.start()
-        try:
-            await asyncio.wait_for(asyncio.gather(session("a", 0.0), session("b", 0.03)), 20)
-        finally:
-            await batcher.close()
-            thread.close()
-        return seen
-
-    assert await batches(0.5) == [["a", "b"]] * 4
-    assert len(await batches(0.0)) > 4
+    sessions = {"a": (0.0, 0.0), "b": (0.0, 0.03)}
+    assert await paced(0.2, 0.005, 0.5, sessions) == [["a", "b"]] * 4
+    assert len(await paced(0.2, 0.005, 0.0, sessions)) > 4
 
 
 async def test_sessions_out_of_phase_merge_again():
@@ -107,31 +116,6 @@ async def test_sessions_out_of_phase_merge_again():
     "a" runs alone after its window; "b" arrives during a's step, older than the
     window when the step ends. Counting the window from the step's end lets "a"
     (back 10 ms later) join "b" instead of the two alternating in batches of one."""
-    held = ["a"]
-    seen: list[list[str]] = []
-
-    def step(batch: list[str]) -> list[str]:
-        seen.append(sorted(batch))
-        time.sleep(0.1)
-        return batch
-
-    async def session(name: str, delay: float) -> None:
-        await asyncio.sleep(delay)
-        if name not in held:
-            held.append(name)
-        for _ in range(4):
-            await batcher.submit(name)
-            await asyncio.sleep(0.01)  # the gateway's round trip
-
-    thread = EngineThread()
-    batcher = Batcher(
-        step, thread, key=lambda c: c, cost=len, wait_s=0.05, held_sessions=lambda: held
-    )
-    batcher.start()
-    try:
-        await asyncio.wait_for(asyncio.gather(session("a", 0), session("b", 0.08)), 10)
-    finally:
-        await batcher.close()
-        thread.close()
+    seen = await paced(0.1, 0.05, 0.0, {"a": (0.0, 0.01), "b": (0.08, 0.01)})
     assert seen[0] == ["a"]
     assert seen[1:4] == [["a", "b"]] * 3
