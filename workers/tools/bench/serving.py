@@ -174,8 +174,8 @@ async def stream_chat(
     timed = Timed(time.perf_counter())
     texts: list[str] = []
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    url = url + "/v1/chat/completions"
-    async with client.stream("POST", url, json=body, headers=headers) as response:
+    endpoint = url + "/v1/chat/completions"
+    async with client.stream("POST", endpoint, json=body, headers=headers) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()!r}")
         async for line in response.aiter_lines():
