@@ -16,6 +16,7 @@ from workers.engine.engine import Engine, EngineConfig
 DTYPES = [torch.float32, torch.bfloat16]
 SEQ = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(11)).tolist()
 OTHER = torch.randint(0, 96, (23,), generator=torch.Generator().manual_seed(12)).tolist()
+LONG = torch.randint(0, 96, (100,), generator=torch.Generator().manual_seed(13)).tolist()
 
 
 def chain(n: int) -> list[int]:
@@ -92,6 +93,28 @@ def test_batched_with_other_sessions_equals_alone(reference):
         ]
     )
     assert torch.equal(tree[[0, 2, 3]], ref[31:34])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tree_beside_a_tree_behind_a_longer_prefix_equals_one_by_one(dtype):
+    """Two trees of as many nodes share one attention call, whose shared columns are the
+    longer prefix's whole blocks: the shorter prefix's tree nodes read zero chunks there
+    before their own, and still sum exactly as one token at a time does."""
+    ref = one_by_one(engine(dtype), 0, LONG)
+    eng = engine(dtype)
+    short, long = 50, 70  # 3 and 4 whole blocks of 16
+    eng.forward([SlotInput(0, 0, chain(short), LONG[:short])])
+    eng.forward([SlotInput(1, 0, chain(long), LONG[:long])])
+    parents = [-1, 0, 0] + list(range(2, 17))  # a decoy beside the true path's second node
+    path = [0, *range(2, 18)]
+
+    def tree(slot: int, prefix: int) -> SlotInput:
+        true = LONG[prefix : prefix + 17]
+        return SlotInput(slot, prefix, parents, [true[0], 95, *true[1:]], logits_for=18)
+
+    out_short, out_long = eng.forward([tree(0, short), tree(1, long)])
+    assert torch.equal(out_short[path], ref[short : short + 17])
+    assert torch.equal(out_long[path], ref[long : long + 17])
 
 
 @pytest.mark.parametrize("threads", [1, 2])

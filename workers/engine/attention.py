@@ -20,9 +20,10 @@ query reduces over its keys the same way whatever the batch looks like
    are tested in tests/engine/test_batch_invariance.py);
 3. the softmax uses the exact maximum over all visible scores, so masked
    keys and padded chunks contribute exact zeros;
-4. chunk sums are added in a fixed order: the chunks padded with zero ones
-   to a power of two, the second half added to the first until one is left
-   (`sum_chunks`); a batch's wider padding only adds exact zeros first.
+4. chunk sums are added in chunk order, one after another (`sum_chunks`),
+   where chunks of zeros change nothing wherever they sit: a batch's wider
+   padding, or a tree group's shared columns that only another slot reads
+   (a tree node's own chunks continue after them).
 
 The arithmetic is float32 whatever the cache's dtype. A query's keys must
 sit in the same columns in every feeding pattern: visible keys first, in
@@ -70,17 +71,13 @@ def chunked(x: torch.Tensor, chunk: int) -> torch.Tensor:
 
 
 def sum_chunks(x: torch.Tensor) -> torch.Tensor:
-    # x: (G, Hkv, C, rows, X) -> (G, Hkv, rows, X): C padded to a power of two with zero
-    # chunks, then halves added (chunk i + chunk i + C/2 ...): with zeros past a query's own
-    # chunks every wider padding reduces to the narrower one's sums exactly
-    count = x.shape[2]
-    width = 1 << (count - 1).bit_length()
-    if width > count:
-        x = F.pad(x, (0, 0, 0, 0, 0, width - count))
-    while width > 1:
-        width //= 2
-        x = x[:, :, :width] + x[:, :, width:]
-    return x[:, :, 0]
+    # x: (G, Hkv, C, rows, X) -> (G, Hkv, rows, X): the chunks added one after another, in
+    # chunk order. Zero chunks anywhere (a batch's wider padding, a tree group's shared
+    # columns another slot needs) add nothing: one order whatever the batch looks like.
+    total = x[:, :, 0].clone()
+    for c in range(1, x.shape[2]):
+        total += x[:, :, c]
+    return total
 
 
 def scores_by_chunk(q: torch.Tensor, keys: torch.Tensor, chunk: int) -> torch.Tensor:
