@@ -28,8 +28,14 @@ E(D) / (a + b S (1 + N(D)) + D * level_s), over 0..max depth. The tree keeps
 the configured shape's nodes-per-level (budget / depth), so a wide tree
 narrows as it gets shallower. D = 0 turns speculation off for the round
 (it does not pay: a slow or compute-bound target, low acceptance, many
-sessions); every `probe_every`-th such round still drafts one level, so the
-estimate can recover when the text turns copyable.
+sessions). A session that has not drafted for `probe_every` times S rounds
+drafts one node (a probe), so its estimate can recover when the text turns
+copyable. The period grows with S because the target batches the S
+sessions' rounds: a probe's node costs the whole batch its forward time and,
+fed beside one-token decodes, a second attention call
+(workers/engine/batch.py), and S sessions probing every 8th round would put
+about S/8 probes in every forward. This way a batch carries about one probe
+every `probe_every` forwards, whatever S.
 
 This is what vLLM's and TGI's fixed speculation lacks: at high load the
 forward is compute-bound, extra tree nodes cost as much as real tokens, and a
@@ -61,7 +67,7 @@ class AdaptiveConfig:
     knee_tokens: float = 32.0  # a round's fixed cost in tokens fed (a / b) until measured
     ewma: float = 0.3  # weight of the newest round in the acceptance estimate
     prior_rate: float = 0.8  # per-token acceptance assumed before the first round
-    probe_every: int = 8  # with speculation off, draft one level every this many rounds
+    probe_every: int = 8  # with speculation off, draft one node every this many rounds x S
     cost_ewma: float = 0.05  # weight of the newest round in a target's cost fit
     prior_weight: float = 1.0  # rounds' worth of belief in knee_tokens once a target is measured
 
@@ -212,11 +218,11 @@ def adapt(
     if spec.depth <= 0 or spec.budget <= 0:
         return None
     depth = best_depth(acceptance.rate, sessions, spec, cost)
-    if depth == 0:
-        acceptance.rounds_off += 1
-        if acceptance.rounds_off % config.probe_every:
-            return None
-        depth = 1  # a probe keeps the estimate alive
-    else:
+    if depth > 0:
         acceptance.rounds_off = 0
-    return replace(spec, depth=depth, budget=tree_nodes(spec, depth))
+        return replace(spec, depth=depth, budget=tree_nodes(spec, depth))
+    acceptance.rounds_off += 1
+    if acceptance.rounds_off < config.probe_every * max(1, sessions):
+        return None
+    acceptance.rounds_off = 0
+    return replace(spec, depth=1, budget=1)  # a probe: one node keeps the estimate alive

@@ -104,13 +104,14 @@ def test_the_cost_fit_follows_a_target_that_changes():
     assert best_depth(0.6, 1, SPEC, dear_tokens) < best_depth(0.6, 1, SPEC, cheap_tokens)
 
 
-def test_speculation_backs_off_and_probes():
+@pytest.mark.parametrize("sessions", [1, 16])
+def test_speculation_backs_off_and_probes_once_a_batch_of_probe_every(sessions):
     acceptance = Acceptance(accepted=0.05, rejected=0.95)
-    specs = [adapt(SPEC, acceptance, 16, KNEE_20, CONFIG) for _ in range(8)]
-    probes = [s for s in specs if s is not None]
-    assert len(probes) == 2  # every probe_every-th round drafts one level
-    assert all(s.depth == 1 for s in probes)
-    assert specs[CONFIG.probe_every - 1] is not None
+    period = CONFIG.probe_every * sessions  # a batch of S sessions carries one probe in 4
+    specs = [adapt(SPEC, acceptance, sessions, KNEE_20, CONFIG) for _ in range(2 * period)]
+    probes = [i for i, s in enumerate(specs) if s is not None]
+    assert probes == [period - 1, 2 * period - 1]
+    assert all(specs[i].depth == 1 and specs[i].budget == 1 for i in probes)  # one node
 
 
 @pytest.fixture(scope="module")
