@@ -70,13 +70,15 @@ def chunked(x: torch.Tensor, chunk: int) -> torch.Tensor:
     return x.float().view(k, h, chunks(width, chunk), chunk, d)
 
 
-def sum_chunks(x: torch.Tensor) -> torch.Tensor:
-    # x: (G, Hkv, C, rows, X) -> (G, Hkv, rows, X): the chunks added one after another, in
-    # chunk order. Zero chunks anywhere (a batch's wider padding, a tree group's shared
-    # columns another slot needs) add nothing: one order whatever the batch looks like.
-    total = x[:, :, 0].clone()
-    for c in range(1, x.shape[2]):
-        total += x[:, :, c]
+def sum_chunks(*parts: torch.Tensor) -> torch.Tensor:
+    # parts: (G, Hkv, C_i, rows, X) each -> (G, Hkv, rows, X): every chunk of the parts, in
+    # order, added one after another (as if concatenated, without the copy). Zero chunks
+    # anywhere (a batch's wider padding, a tree group's shared columns another slot needs)
+    # add nothing: one order whatever the batch looks like.
+    chunks_in_order = (part[:, :, c] for part in parts for c in range(part.shape[2]))
+    total = next(chunks_in_order).clone()
+    for x in chunks_in_order:
+        total += x
     return total
 
 
@@ -140,6 +142,6 @@ def attend(q: torch.Tensor, shared: Keys, tail: Keys | None, chunk: int) -> torc
         p_tokens = pad_rows(slots_to_tail(p[:, :, cs:, :r], rep, t), padded(rep))
         tail_weighted = torch.matmul(p_tokens, tv)[..., :rep, :]  # (G * T, Hkv, Ct, rep, D)
         weighted.append(pad_rows(tail_to_slots(tail_weighted, g, t), rows))
-    summed = sum_chunks(torch.cat(weighted, 2))  # (G, Hkv, rows, D)
+    summed = sum_chunks(*weighted)  # (G, Hkv, rows, D)
     out = (summed / total)[:, :, :r]  # (G, Hkv, R, D)
     return out.reshape(g, hkv, rep, t, d).to(q.dtype)
