@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -93,6 +94,17 @@ def targets_of(serve: Serve) -> dict[str, int]:
     return {w["address"]: w["pid"] for w in serve.state["workers"] if w["role"] == "target"}
 
 
+def until_text(chunks: Iterator) -> list:
+    """A chat stream's chunks up to its first text. The role chunk comes before the
+    session's first round reaches a target; its first text comes after."""
+    head = []
+    for chunk in chunks:
+        head.append(chunk)
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    return head
+
+
 @pytest.mark.embedded
 def test_a_killed_target_is_restarted_and_serves_again(serve, client, clean):
     before = targets_of(serve)
@@ -123,11 +135,11 @@ def test_a_killed_target_is_restarted_and_serves_again(serve, client, clean):
     # two streams at once: the least loaded pick puts one on each target, the restarted one too
     streams = [client.chat.completions.create(model=MODEL, stream=True, **KW) for _ in range(2)]
     chunks = [iter(stream) for stream in streams]
-    firsts = [next(c) for c in chunks]
+    heads = [until_text(c) for c in chunks]  # both sessions have had a round verified
     assert live_sessions(serve, address) == 1  # over the same mTLS credentials as before
     texts = [
-        "".join(c.choices[0].delta.content or "" for c in [first, *rest] if c.choices)
-        for first, rest in zip(firsts, chunks, strict=True)
+        "".join(c.choices[0].delta.content or "" for c in [*head, *rest] if c.choices)
+        for head, rest in zip(heads, chunks, strict=True)
     ]
     assert texts == [clean[0], clean[0]]
 
