@@ -1,9 +1,13 @@
 """`specsplit bench draft`: a distilled draft's figures on a chat workload (bench/DRAFT.md).
 
-`specsplit bench draft [--draft-model smollm2-135m-draft] [--prompts 8]` measures,
-on held-out chat prompts (topics and passages the draft never trained on), greedy:
+`specsplit bench draft [--draft-model smollm2-135m-draft] [--prompts 8]` measures, greedy,
+on each of distillation's two held-out sets (`heldout`: topics and passages of the training
+kinds the draft never saw; `unlike`: prompt kinds it never trained on,
+workers/tools/distill/prompts.py):
   (a) top-1 / top-3 agreement of the draft with the target's greedy token, teacher-forced
-      on the target's own answers;
+      on the target's own answers, and the share of one-token chains the target accepts
+      in the loop (per-token acceptance, the draft fed what the loop commits);
+and on the `heldout` set:
   (b) tokens per target forward (accepted draft tokens + the bonus token) with a tree;
   (c) the cost of one forward of 1 token behind a KV cache, draft over target, both on
       SpecSplit's native engine (medians, interleaved so load changes hit both alike);
@@ -35,6 +39,7 @@ from workers.speculation.sampling import SamplingParams
 from workers.target.runner import TargetRunner
 from workers.tools.bench.machine import describe, load_words
 from workers.tools.distill import prompts
+from workers.tools.distill.data import HELD_OUT
 
 
 class DraftBenchSettings(BaseSettings):
@@ -42,7 +47,7 @@ class DraftBenchSettings(BaseSettings):
 
     target_model: str = Field(EMBEDDED_MODEL, description="the target")
     draft_model: str = Field("smollm2-135m-draft", description="the distilled draft")
-    prompts: int = Field(8, ge=1, description="held-out chat prompts")
+    prompts: int = Field(8, ge=1, description="prompts of each held-out set")
     prompt_seed: int = Field(1, description="which held-out prompts")
     max_tokens: int = Field(64, ge=1, description="new tokens per prompt")
     tree_depth: int = Field(6, ge=1, description="tree of both drafts (TreeSpec() defaults)")
@@ -73,6 +78,35 @@ def agreement(
     picked = guesses[len(prompt) - 1 :]  # rows predicting answer tokens
     truth = torch.tensor(answer)[:, None]
     return int((picked[:, :1] == truth).sum()), int((picked == truth).any(-1).sum()), len(answer)
+
+
+def acceptance(
+    off: LocalDecoder,
+    chain: LocalDecoder,
+    draft: Engine,
+    target: Engine,
+    chats: list[list[int]],
+    max_tokens: int,
+) -> dict:
+    """(a) on one prompt set: teacher-forced top-1 / top-3 agreement with the target's greedy
+    answers, and the share of one-token chains the target accepts in the loop."""
+    hits1 = hits3 = positions = proposed = accepted = rounds = 0
+    for ids in chats:
+        answer = off.generate(ids, max_tokens, SamplingParams()).token_ids
+        h1, h3, n = agreement(draft, target, ids, answer)
+        hits1, hits3, positions = hits1 + h1, hits3 + h3, positions + n
+        gen = chain.generate(ids, max_tokens, SamplingParams())
+        if gen.token_ids != answer:
+            raise RuntimeError("a one-token chain changed the target's greedy answer")
+        proposed, accepted = proposed + gen.stats.draft_tokens, accepted + gen.stats.accepted_tokens
+        rounds += gen.stats.verify_steps
+    return {
+        "positions": positions,
+        "top1": hits1 / positions,
+        "top3": hits3 / positions,
+        "rounds": rounds,
+        "loop": accepted / max(1, proposed),
+    }
 
 
 @torch.inference_mode()
@@ -118,8 +152,11 @@ def run(s: DraftBenchSettings) -> str:
     draft = Engine.load(EngineConfig(model=s.draft_model, max_sessions=2, max_seq_len=1024))
     stops = stop_token_ids(target.tokenizer)
     tree = TreeSpec(depth=s.tree_depth, branching=s.tree_branching, budget=s.tree_budget)
-    texts = prompts.take("heldout", s.prompt_seed, s.prompts)
-    chats = [encode_chat(target.tokenizer, [{"role": "user", "content": t}]) for t in texts]
+    sets = {split: prompts.take(split, s.prompt_seed, s.prompts) for split in HELD_OUT}
+    chats = {
+        split: [encode_chat(target.tokenizer, [{"role": "user", "content": t}]) for t in texts]
+        for split, texts in sets.items()
+    }
 
     small = TreeSpec(depth=s.small_depth, branching=s.small_branching, budget=s.small_budget)
     chain = TreeSpec(depth=s.small_depth, branching=1, budget=s.small_depth)
@@ -142,14 +179,14 @@ def run(s: DraftBenchSettings) -> str:
         f"n-gram draft, chain {_shape(chain)}": decoder(ngram(), chain),
         f"model draft, chain {_shape(chain)}": decoder(model(), chain),
     }
-    for decoder in decoders.values():  # warm-up
-        decoder.generate(chats[0][:24], 4, SamplingParams())
+    for each in decoders.values():  # warm-up
+        each.generate(chats["heldout"][0][:24], 4, SamplingParams())
     totals = {name: {"s": 0.0, "tokens": 0, "steps": 0, "emitted": 0} for name in decoders}
     outputs: dict[str, list[list[int]]] = {name: [] for name in decoders}
-    for ids in chats:  # prompt by prompt, every decoder in turn
-        for name, decoder in decoders.items():
+    for ids in chats["heldout"]:  # prompt by prompt, every decoder in turn
+        for name, each in decoders.items():
             start = time.perf_counter()
-            gen = decoder.generate(ids, s.max_tokens, SamplingParams())
+            gen = each.generate(ids, s.max_tokens, SamplingParams())
             t = totals[name]
             t["s"] += time.perf_counter() - start
             t["tokens"] += len(gen.token_ids)
@@ -157,10 +194,11 @@ def run(s: DraftBenchSettings) -> str:
             t["emitted"] += gen.stats.emitted_tokens
             outputs[name].append(gen.token_ids)
     reference = outputs["speculation off"]
-    hits1 = hits3 = positions = 0
-    for ids, answer in zip(chats, reference, strict=True):
-        h1, h3, n = agreement(draft, target, ids, answer)
-        hits1, hits3, positions = hits1 + h1, hits3 + h3, positions + n
+    one = decoder(model(), TreeSpec(depth=1, branching=1, budget=1))
+    accepts = {
+        split: acceptance(decoders["speculation off"], one, draft, target, ids, s.max_tokens)
+        for split, ids in chats.items()
+    }
     verify_sizes = sorted({1, 2, 4, 8, tree.budget + 1})
     costs = forward_costs(
         {"target": target, "draft": draft},
@@ -171,20 +209,31 @@ def run(s: DraftBenchSettings) -> str:
 
     base = totals["speculation off"]["tokens"] / totals["speculation off"]["s"]
     lines = [
-        f"Draft benchmark: target `{s.target_model}`, draft `{s.draft_model}`, "
-        f"{s.prompts} held-out chat prompts (`prompts.take('heldout', {s.prompt_seed}, "
-        f"{s.prompts})`), {s.max_tokens} new tokens each, greedy. Trees are written "
-        f"depth/branching/budget; {_shape(tree)} is `TreeSpec()`, the default.",
+        f"Draft benchmark: target `{s.target_model}`, draft `{s.draft_model}`, the first "
+        f"{s.prompts} one-turn prompts of each held-out set (`prompts.take(SET, "
+        f"{s.prompt_seed}, {s.prompts})`), {s.max_tokens} new tokens each, greedy. Trees are "
+        f"written depth/branching/budget; {_shape(tree)} is `TreeSpec()`, the default.",
         f"Machine: {describe()}, float32; load average before {load_before}, after {load_after}.",
         "",
-        f"- (a) agreement with the target's greedy token (teacher-forced, {positions} answer "
-        f"positions): top-1 **{hits1 / positions:.3f}**, top-3 **{hits3 / positions:.3f}**",
+        "(a) agreement with the target's greedy token: teacher-forced on the target's answers, "
+        "and in the loop (a one-token chain every round: accepted / proposed)",
+        "",
+        "| held-out set | positions | top-1 | top-3 | rounds | in the loop |",
+        "|---|---:|---:|---:|---:|---:|",
+        *(
+            f"| {split} | {a['positions']} | **{a['top1']:.3f}** | {a['top3']:.3f} | "
+            f"{a['rounds']} | **{a['loop']:.3f}** |"
+            for split, a in accepts.items()
+        ),
+        "",
         f"- (c) one forward of 1 token with a KV cache (native engine, median of "
         f"{s.cost_repeats}): target {costs['target'][1] * 1e3:.1f} ms, draft "
         f"{costs['draft'][1] * 1e3:.1f} ms: draft/target "
         f"**{costs['draft'][1] / costs['target'][1]:.3f}**",
         "- target forward of n tokens (what a verify of n - 1 tree nodes costs): "
         + ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in costs["target"].items()),
+        "",
+        "(b), (d) on the heldout set:",
         "",
         "| decoder | tokens/s | × speculation off | (b) tokens per target forward | same tokens |",
         "|---|---:|---:|---:|:---:|",

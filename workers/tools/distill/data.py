@@ -12,6 +12,7 @@ one is never redone. Which prompts a batch holds depends only on (split, seed, i
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -35,11 +36,18 @@ class DataSpec:
     """What to ask the target and how much of it."""
 
     tokens: int  # target answer tokens to collect for training (whole batches, so a bit more)
-    eval_prompts: int  # held-out prompts answered for the agreement report
-    max_new_tokens: int  # longest answer per prompt
-    batch_size: int  # prompts answered per generate call
+    eval_prompts: int  # requests of each held-out set answered for the agreement report
+    max_new_tokens: int  # longest answer per turn
+    long_new_tokens: int  # longest answer to a request for a long one
+    batch_size: int  # requests answered per generate call
     top_k: int  # next-token candidates kept per position
     seed: int  # picks and orders the prompts
+
+    @property
+    def context(self) -> int:
+        """KV positions a conversation may need: a prompt with a passage and either two
+        turns of answers or one long answer."""
+        return 384 + max(2 * self.max_new_tokens, self.long_new_tokens)
 
 
 @dataclass
@@ -69,11 +77,12 @@ class Teacher:
         self.eos = tokenizer.eos_token_id
 
     @torch.inference_mode()
-    def examples(self, prompts: list[list[int]], max_new_tokens: int, k: int) -> list[Example]:
-        """One Example per prompt: its greedy answer and the top-k at every position."""
+    def examples(self, prompts: list[list[int]], limits: list[int], k: int) -> list[Example]:
+        """One Example per prompt: its greedy answer (up to its limit of new tokens) and
+        the top-k at every position."""
         if len(prompts) > self.engine.num_slots:
             raise ValueError(f"{len(prompts)} prompts for {self.engine.num_slots} KV slots")
-        longest = max(len(p) for p in prompts) + max_new_tokens
+        longest = max(len(p) + limit for p, limit in zip(prompts, limits, strict=True))
         if longest > self.engine.context_length:
             raise ValueError(f"{longest} tokens exceed the context of {self.engine.context_length}")
         seqs = [list(p) for p in prompts]
@@ -86,7 +95,7 @@ class Teacher:
                 values, ids = out.log_softmax(-1).topk(k, dim=-1)  # (T_i, k) each
                 tops[i].append((ids, values))
                 seqs[i].append(int(out[-1].argmax()))  # the engine's own greedy choice
-                if seqs[i][-1] != self.eos and len(seqs[i]) - len(prompts[i]) < max_new_tokens:
+                if seqs[i][-1] != self.eos and len(seqs[i]) - len(prompts[i]) < limits[i]:
                     unfinished.append(i)
             return unfinished
 
@@ -112,11 +121,48 @@ class Teacher:
         ]
 
 
-def batch_prompts(split: str, seed: int, batch_size: int) -> Iterator[list[str]]:
-    """The split's prompts in batches; batch i is the same for the same (split, seed, size)."""
-    stream = prompt_set.prompts(split, seed)
-    while batch := [text for _, text in zip(range(batch_size), stream, strict=False)]:
-        yield batch
+def answer(teacher: Teacher, requests: list[prompt_set.Request], spec: DataSpec) -> list[Example]:
+    """One Example per turn, request by request. A later turn's prompt is the conversation
+    so far, the target's own answers included, as a client would send it back."""
+    histories: list[list[dict]] = [[] for _ in requests]
+    made: list[list[Example]] = [[] for _ in requests]
+    for turn in range(max(len(r.turns) for r in requests)):
+        live = [i for i, r in enumerate(requests) if turn < len(r.turns)]
+        for i in live:
+            histories[i].append({"role": "user", "content": requests[i].turns[turn]})
+        ids = [encode_chat(teacher.tokenizer, histories[i]) for i in live]
+        limits = [
+            spec.long_new_tokens if requests[i].long and turn == 0 else spec.max_new_tokens
+            for i in live
+        ]
+        for i, e in zip(live, teacher.examples(ids, limits, spec.top_k), strict=True):
+            reply = teacher.tokenizer.decode(e.ids[e.prompt_len :], skip_special_tokens=True)
+            histories[i].append({"role": "assistant", "content": reply})
+            made[i].append(e)
+    return [e for turns in made for e in turns]
+
+
+def request_batches(split: str, spec: DataSpec) -> Iterator[list[prompt_set.Request]]:
+    """The split's requests in batches; batch i is the same for the same (split, spec).
+
+    `train` is grouped by shape (one turn, two turns, a long answer) so that no batch keeps
+    decoding for a few long answers; a held-out set comes in order, so that its first
+    requests hold every shape as the split does.
+    """
+    stream = prompt_set.requests(split, spec.seed)
+    size = spec.batch_size
+    if split != "train":
+        while batch := list(itertools.islice(stream, size)):
+            yield batch
+        return
+    groups: dict[tuple[int, bool], list[prompt_set.Request]] = {}
+    for request in stream:
+        group = groups.setdefault((len(request.turns), request.long), [])
+        group.append(request)
+        if len(group) == size:
+            yield list(group)
+            group.clear()
+    yield from (group for _, group in sorted(groups.items()) if group)
 
 
 def load_batches(folder: Path, split: str) -> list[list[Example]]:
@@ -133,19 +179,31 @@ def _save_batch(path: Path, examples: list[Example]) -> None:
     tmp.replace(path)
 
 
+HELD_OUT = ("heldout", "unlike")  # new topics of the training kinds; kinds never trained on
+
+
 def collect(
     folder: Path, spec: DataSpec, teacher: Callable[[], Teacher], log: Log
-) -> tuple[list[Example], list[Example]]:
-    """(train, heldout) examples: the cached batches, generating only what is missing.
+) -> tuple[list[Example], dict[str, list[Example]]]:
+    """(train, {held-out set: examples}): the cached batches, generating only what is missing.
 
-    Held-out comes first (a fixed number of prompts), then train batches until the
-    answers hold `spec.tokens` tokens. `teacher` is called only if a batch is missing.
+    Each held-out set is the examples of its first `eval_prompts` requests (one per turn);
+    train is batches until the answers hold `spec.tokens` tokens. `teacher` is called only
+    if a batch is missing.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    n_eval_batches = math.ceil(spec.eval_prompts / spec.batch_size)
-    heldout = _fill(folder, "heldout", spec, teacher, log, lambda b, _: b < n_eval_batches)
+    n_batches = math.ceil(spec.eval_prompts / spec.batch_size)
+    held = {}
+    for split in HELD_OUT:
+        batches = _fill(folder, split, spec, teacher, log, lambda b, _: b < n_batches)
+        requests = itertools.islice(prompt_set.requests(split, spec.seed), spec.eval_prompts)
+        held[split] = _flat(batches)[: sum(len(r.turns) for r in requests)]
     train = _fill(folder, "train", spec, teacher, log, lambda _, n: n < spec.tokens)
-    return [e for b in train for e in b], [e for b in heldout for e in b][: spec.eval_prompts]
+    return _flat(train), held
+
+
+def _flat(batches: list[list[Example]]) -> list[Example]:
+    return [e for batch in batches for e in batch]
 
 
 def _fill(
@@ -164,19 +222,18 @@ def _fill(
             break
         batches.append(cached)
         answered += sum(e.answer_len for e in cached)
-    source = batch_prompts(split, spec.seed, spec.batch_size)
-    for _ in batches:  # skip the prompts of the cached batches
+    source = request_batches(split, spec)
+    for _ in batches:  # skip the requests of the cached batches
         next(source)
     start, fresh = time.perf_counter(), 0
     goal = spec.tokens if split == "train" else None
     while more(len(batches), answered):
-        texts = next(source, None)
-        if texts is None:
-            log(f"data {split}: the prompt set is exhausted at {answered} answer tokens")
+        requests = next(source, None)
+        if requests is None:
+            if goal:
+                log(f"data {split}: the prompt set is exhausted at {answered} answer tokens")
             break
-        t = teacher()
-        ids = [encode_chat(t.tokenizer, [{"role": "user", "content": m}]) for m in texts]
-        examples = t.examples(ids, spec.max_new_tokens, spec.top_k)
+        examples = answer(teacher(), requests, spec)
         _save_batch(folder / f"{split}-{len(batches):05d}.pt", examples)
         batches.append(examples)
         new = sum(e.answer_len for e in examples)

@@ -151,16 +151,17 @@ def agreement(trainer: EagleTrainer, heldout: list[Example], states) -> dict:
 def train_eagle(
     target_hf,
     examples: list[Example],
-    heldout: list[Example],
+    held: dict[str, list[Example]],
     spec: TrainSpec,
     folder: Path,
     log: Log,
     stop_after: int | None = None,
-) -> tuple[EagleTrainer, dict] | None:
-    """Trains (or resumes) a head; returns it and its held-out agreement, or None when it
-    stopped at `stop_after`."""
-    log(f"eagle: the target's states over {len(examples) + len(heldout)} sequences")
-    states, held_states = target_states(target_hf, examples), target_states(target_hf, heldout)
+) -> tuple[EagleTrainer, dict[str, dict]] | None:
+    """Trains (or resumes) a head; returns it and its agreement on each held-out set (the
+    log follows "heldout" as it trains), or None when it stopped at `stop_after`."""
+    log(f"eagle: the target's states over {len(examples)} sequences and the held-out sets")
+    states = target_states(target_hf, examples)
+    held_states = {split: target_states(target_hf, e) for split, e in held.items()}
     torch.manual_seed(spec.seed)
     trainer = EagleTrainer(target_hf, spec.seed)
 
@@ -168,15 +169,15 @@ def train_eagle(
         return loss_of(trainer, collate([examples[i] for i in chosen], [states[i] for i in chosen]))
 
     def held_out() -> tuple[float, float]:
-        held = agreement(trainer, heldout, held_states)
-        return held["top1"], held[f"top{TOP}"]
+        result = agreement(trainer, held["heldout"], held_states["heldout"])
+        return result["top1"], result[f"top{TOP}"]
 
     objective = Objective(loss, held_out, label="eagle", loss_name="loss")
     lengths = [len(e.ids) for e in examples]
     checkpoint = Checkpoint(folder / "eagle.pt")
     if not train(trainer, lengths, spec, checkpoint, objective, log, stop_after):
         return None
-    return trainer, agreement(trainer, heldout, held_states)
+    return trainer, {split: agreement(trainer, e, held_states[split]) for split, e in held.items()}
 
 
 def export_eagle(trainer: EagleTrainer, out: Path, tokenizer_dir: Path, dtype) -> None:

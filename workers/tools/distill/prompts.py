@@ -1,12 +1,23 @@
-"""The prompt set distillation asks the target to answer: templated chat requests.
+"""The prompt sets distillation asks the target to answer.
 
-Templates cover the tasks people bring to a small chat model (explain, list, advise,
-write, code, small arithmetic) and input-grounded tasks whose answer reuses text
-given in the prompt (summarize, rewrite, answer from a passage, fix grammar).
-Fillers come in two disjoint pools: `train` prompts are built from one, `heldout`
-prompts from the other, so held-out agreement measures topics and passages the
-draft never saw. Every list is fixed and every draw is seeded: the same
-(split, seed) always gives the same prompts in the same order.
+`train` and `heldout` are templated chat requests of the same kinds:
+- everyday tasks people bring to a small chat model (explain, list, advise, write, small
+  arithmetic);
+- code: write a function in Python and other languages, explain or fix a given snippet;
+- input-grounded tasks whose answer reuses text given in the prompt (summarize, rewrite,
+  translate, extract, answer from a passage, fix grammar);
+- requests in French, Spanish and German;
+- long answers (essays, step-by-step guides, long stories), answered up to a longer limit;
+- two-turn conversations: a request, the target's own answer, then a follow-up.
+Fillers come in two disjoint pools: `train` requests are built from one, `heldout` from
+the other, so held-out agreement measures topics, passages and snippets the draft never saw.
+
+`unlike` is a fixed list of prompt *kinds* no template asks for (riddles, role-play,
+classification, extraction, trivia, definitions, ...): agreement on it measures how far the
+draft carries beyond what it was trained on.
+
+Every list is fixed and every draw is seeded: the same (split, seed) always gives the same
+requests in the same order.
 """
 
 from __future__ import annotations
@@ -14,6 +25,9 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
+
+VERSION = 2  # bump when the requests change: cached distillation data records it
 
 # (train pool, held-out pool) for every filler slot, packed several to a line
 # fmt: off
@@ -159,6 +173,43 @@ PASSAGES = (
         "rock in a pouch of loose skin under their arm.",
     ],
 )
+# fmt: off
+CODE_SNIPPETS = (
+    [
+        "def total(items):\n    sum = 0\n    for i in range(1, len(items)):\n"
+        "        sum += items[i]\n    return sum\n",
+        "function isEven(n) {\n  if (n % 2 = 0) {\n    return true;\n  }\n  return false;\n}\n",
+        "def find(names, target):\n    for i, name in enumerate(names):\n"
+        "        if name == target:\n            return i\n    return -1\n",
+        "SELECT name, COUNT(*)\nFROM orders\nWHERE total > 100\nGROUP BY name\n"
+        "ORDER BY COUNT(*) DESC;\n",
+        "for f in *.txt; do\n  wc -l \"$f\"\ndone\n",
+        "def greet(name):\n    print('Hello, ' + name)\n    return\n\ngreet(42)\n",
+        "numbers = [3, 1, 2]\nnumbers = numbers.sort()\nprint(numbers[0])\n",
+        "class Counter:\n    def __init__(self):\n        self.count = 0\n\n"
+        "    def add(self):\n        count += 1\n",
+    ],
+    [
+        "def last(items):\n    return items[len(items)]\n",
+        "const doubled = [1, 2, 3].map(x => { x * 2 });\nconsole.log(doubled);\n",
+        "def average(a, b):\n    return a + b / 2\n",
+    ],
+)
+LANGUAGES = (
+    ["JavaScript", "SQL", "Bash", "Java", "C", "Rust"],
+    ["Go", "TypeScript"],
+)
+FOREIGN_TOPICS = (  # (French, Spanish, German) per filler
+    [
+        ("les volcans", "los volcanes", "Vulkane"), ("le sommeil", "el sueño", "den Schlaf"),
+        ("les abeilles", "las abejas", "Bienen"), ("la pluie", "la lluvia", "den Regen"),
+        ("le café", "el café", "Kaffee"), ("les vaccins", "las vacunas", "Impfstoffe"),
+        ("la lune", "la luna", "den Mond"), ("le recyclage", "el reciclaje", "Recycling"),
+        ("les océans", "los océanos", "die Ozeane"), ("internet", "internet", "das Internet"),
+    ],
+    [("les forêts", "los bosques", "Wälder"), ("le chocolat", "el chocolate", "Schokolade")],
+)
+# fmt: on
 QUESTIONS = [  # asked about any passage
     "What happened first?",
     "What is the main point of the text?",
@@ -175,6 +226,9 @@ SENTENCES = (
     ],
     ["he runned to the bus but it leaved without him.", "they is the best team in the league."],
 )
+
+NUMBERS = (((12, 99), (2, 11)), ((100, 999), (12, 19)))  # (a, b) ranges of each split
+TARGET_LANGUAGES = ["French", "Spanish", "German"]
 
 TEMPLATES = [
     "Explain {topic} in simple terms.",
@@ -201,18 +255,92 @@ TEMPLATES = [
     "Write a Python function that {code_task}.",
     "Write a Python function that {code_task}, with comments.",
     "How would you write a program that {code_task}? Explain the steps.",
+    "Write a {language} function that {code_task}.",
+    "Explain what this code does:\n\n{snippet}",
+    "Find and fix the bug in this code:\n\n{snippet}",
+    "Add comments to this code:\n\n{snippet}",
     "What is {a} plus {b}? Show your work.",
     "If I have {a} apples and give away {b}, how many are left?",
     "What is {a} times {b}?",
     "Summarize the following text in two sentences:\n\n{passage}",
     "Summarize this text in one sentence:\n\n{passage}",
     "Rewrite the following text in a more formal tone:\n\n{passage}",
+    "Rewrite this text so that a child can understand it:\n\n{passage}",
+    "Rewrite this text in the first person:\n\n{passage}",
     "List the key points of this text as bullet points:\n\n{passage}",
     "Repeat this text exactly, but replace the word 'the' with 'a':\n\n{passage}",
     "Read the text and answer the question.\n\nText: {passage}\n\nQuestion: {question}",
     "Give this text a short title:\n\n{passage}",
+    "Translate this text into {target_language}:\n\n{passage}",
+    "Write three questions a teacher could ask about this text:\n\n{passage}",
     "Correct the grammar of this sentence: {sentence}",
     "Fix the spelling and grammar: {sentence}",
+    "Explique {fr_topic} en termes simples.",
+    "Donne-moi trois faits intéressants sur {fr_topic}.",
+    "Explica {es_topic} de forma sencilla.",
+    "Escribe un párrafo corto sobre {es_topic}.",
+    "Erkläre {de_topic} in einfachen Worten.",
+    "Nenne drei interessante Fakten über {de_topic}.",
+]
+LONG_TEMPLATES = [  # answered up to the longer limit
+    "Write a detailed essay of several paragraphs about {topic}.",
+    "Write a step-by-step guide to {activity}, with at least eight steps.",
+    "Write a long story about {person} who {event}.",
+    "Explain {topic} in depth: its history, how it works, and why it matters today.",
+]
+FOLLOW_UPS = [  # the second turn of a two-turn conversation
+    "Can you make that shorter?",
+    "Now explain it as if I were five years old.",
+    "Can you give me an example?",
+    "Thanks! Can you add two more points?",
+    "Rewrite your answer as a bullet list.",
+    "Translate your answer into French.",
+    "Why is that?",
+    "Can you say more about the first point?",
+]
+TWO_TURN_SHARE = 0.2  # of the requests built from TEMPLATES
+
+UNLIKE = [  # kinds no template above asks for
+    "Tell me a joke about computers.",
+    "What has keys but can't open locks? Explain the riddle.",
+    "Pretend you are a tour guide in Paris and greet a group of tourists.",
+    "Suggest five names for a new coffee shop.",
+    "Is this review positive or negative? 'The food was cold and the waiter ignored us.'",
+    "Extract the name, age and city from this sentence as JSON: 'Lena is 34 and lives in Berlin.'",
+    "Who painted the Mona Lisa?",
+    "Which city is the capital of Australia?",
+    "What does the word 'serendipity' mean? Use it in a sentence.",
+    "My friend forgot my birthday. What should I say to them?",
+    "A train travels at 60 kilometers per hour. How far does it go in two and a half hours?",
+    "How many centimeters are in five feet?",
+    "Write a dialogue between a customer and a waiter in a busy restaurant.",
+    "Write a slogan for a campaign that asks people to drink more water.",
+    "What questions might I be asked in an interview for a nursing job?",
+    "Describe the taste of a lemon to someone who has never eaten one.",
+    "What would happen if the moon disappeared?",
+    "Give me ten words that rhyme with 'light'.",
+    "How do weather and climate differ?",
+    "Create a multiple-choice quiz question about the planets, with the answer.",
+    "Write a tweet announcing the opening of a new bakery.",
+    "Which is a better first pet for a family, a cat or a dog?",
+    "Sort these animals from smallest to largest: horse, mouse, elephant, cat.",
+    "I have eggs, spinach and cheese. What can I cook for dinner?",
+    "Convert 3:45 pm to 24-hour time.",
+    "Name three famous scientists and what each is known for.",
+    "Describe a sunset over the ocean using all five senses.",
+    "Tell me the plural of 'cactus'.",
+    "Act as a personal trainer and motivate me to exercise today.",
+    "What are some fun things to do on a rainy Sunday?",
+    "Classify these foods as fruit or vegetable: tomato, carrot, apple, broccoli.",
+    "Summarize the plot of Romeo and Juliet.",
+    "Why is the sky blue?",
+    "Write a thank-you note to a nurse who cared for my grandmother.",
+    "If you could have any superpower, which would you choose and why?",
+    "Give me a packing list for a beach holiday.",
+    "How do I tell if an egg is fresh?",
+    "Spell the word 'necessary' backwards.",
+    "Help me remember the order of the planets.",
+    "Compare trains and planes for a 500-kilometer trip.",
 ]
 
 _SLOTS = {
@@ -221,41 +349,67 @@ _SLOTS = {
     "person": PEOPLE,
     "event": EVENTS,
     "code_task": CODE_TASKS,
+    "language": LANGUAGES,
+    "snippet": CODE_SNIPPETS,
     "subject": SUBJECTS,
     "recipient": RECIPIENTS,
     "product": PRODUCTS,
     "passage": PASSAGES,
     "sentence": SENTENCES,
 }
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "heldout", "unlike")
 
 
-def prompts(split: str, seed: int) -> Iterator[str]:
-    """Distinct user messages of one split, in a seeded order, until the combinations run out.
+@dataclass(frozen=True)
+class Request:
+    """A conversation to ask the target: its user turns, each answered before the next."""
 
-    Each draw picks a template uniformly, then fills its slots from the split's pools, so
-    tasks stay balanced however many prompts are taken.
+    turns: tuple[str, ...]
+    long: bool = False  # the first answer may run to the longer limit
+
+
+def requests(split: str, seed: int) -> Iterator[Request]:
+    """Distinct requests of one split, in a seeded order, until the combinations run out.
+
+    `train` and `heldout`: each draw picks a template uniformly (long ones included), then
+    fills its slots from the split's pools, so kinds stay balanced however many requests
+    are taken; a share of the short ones gets a follow-up turn. `unlike`: its fixed list.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    pool = SPLITS.index(split)
     rng = random.Random(f"{split}:{seed}")
-    seen: set[str] = set()
+    if split == "unlike":
+        yield from (Request((text,)) for text in rng.sample(UNLIKE, len(UNLIKE)))
+        return
+    pool = SPLITS.index(split)
+    seen: set[Request] = set()
     misses = 0
     while misses < 1000:  # a long run of repeats: (nearly) every combination is out
-        template = rng.choice(TEMPLATES)
-        fill = {name: rng.choice(lists[pool]) for name, lists in _SLOTS.items()}
-        fill["question"] = rng.choice(QUESTIONS)
-        fill["a"], fill["b"] = rng.randint(12, 99), rng.randint(2, 11)
-        text = template.format(**fill)
-        if text in seen:
+        request = _draw(rng, pool)
+        if request in seen:
             misses += 1
             continue
         misses = 0
-        seen.add(text)
-        yield text
+        seen.add(request)
+        yield request
+
+
+def _draw(rng: random.Random, pool: int) -> Request:
+    template = rng.choice(TEMPLATES + LONG_TEMPLATES)
+    fill = {name: rng.choice(lists[pool]) for name, lists in _SLOTS.items()}
+    fill["fr_topic"], fill["es_topic"], fill["de_topic"] = rng.choice(FOREIGN_TOPICS[pool])
+    fill["question"] = rng.choice(QUESTIONS)
+    fill["target_language"] = rng.choice(TARGET_LANGUAGES)
+    fill["a"], fill["b"] = rng.randint(*NUMBERS[pool][0]), rng.randint(*NUMBERS[pool][1])
+    text = template.format(**fill)
+    if template in LONG_TEMPLATES:
+        return Request((text,), long=True)
+    if rng.random() < TWO_TURN_SHARE:
+        return Request((text, rng.choice(FOLLOW_UPS)))
+    return Request((text,))
 
 
 def take(split: str, seed: int, n: int) -> list[str]:
-    """The first n prompts of `prompts(split, seed)`."""
-    return list(itertools.islice(prompts(split, seed), n))
+    """The user messages of the first n one-turn requests of `requests(split, seed)`."""
+    single = (r.turns[0] for r in requests(split, seed) if len(r.turns) == 1)
+    return list(itertools.islice(single, n))

@@ -32,7 +32,8 @@ from pydantic_settings import BaseSettings
 
 from workers.engine.engine import Engine, EngineConfig
 from workers.settings import EMBEDDED_MODEL, parse, settings_config
-from workers.tools.distill.data import DataSpec, Example, Teacher, collect, duration
+from workers.tools.distill import prompts as prompt_set
+from workers.tools.distill.data import HELD_OUT, DataSpec, Example, Teacher, collect, duration
 from workers.tools.distill.eagle import export_eagle, train_eagle
 from workers.tools.distill.model import (
     DraftTrainer,
@@ -54,7 +55,7 @@ from workers.tools.distill.train import (
 INIT_SEQUENCES = 48  # training sequences whose target activations choose the draft's axes
 SAVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # options that must not change while OUT/checkpoint holds their work
-DATA_RECIPE = ("target", "max_new_tokens", "gen_batch", "top_k", "seed")
+DATA_RECIPE = ("target", "max_new_tokens", "long_new_tokens", "gen_batch", "top_k", "seed")
 TRAIN_RECIPE = (
     *("layers", "hidden", "intermediate", "vocab_top", "tokens", "eval_prompts", "steps"),
     *("batch_size", "lr", "prompt_weight"),
@@ -77,8 +78,13 @@ class DistillSettings(BaseSettings):
     intermediate: int = Field(0, ge=0, description="MLP width; 0 = the target's")
     vocab_top: int = Field(8192, ge=0, description="target ids given draft rows; 0 = all")
     tokens: int = Field(100000, ge=1, description="target answer tokens to train on")
-    eval_prompts: int = Field(32, ge=1, description="held-out prompts for the agreement report")
-    max_new_tokens: int = Field(128, ge=1, description="longest target answer per prompt")
+    eval_prompts: int = Field(
+        32, ge=1, description="requests of each held-out set for the agreement report"
+    )
+    max_new_tokens: int = Field(128, ge=1, description="longest target answer per turn")
+    long_new_tokens: int = Field(
+        320, ge=1, description="longest target answer to a request for a long one"
+    )
     gen_batch: int = Field(32, ge=1, description="prompts the target answers at once (KV slots)")
     top_k: int = Field(32, ge=1, description="target candidates kept per position for the KL")
     steps: int = Field(496, ge=1, description="optimizer steps")
@@ -115,17 +121,21 @@ def distill(s: DistillSettings, log=print) -> dict | None:
             loaded["hf"] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         return loaded["hf"]
 
+    spec = DataSpec(
+        *(s.tokens, s.eval_prompts, s.max_new_tokens, s.long_new_tokens),
+        *(s.gen_batch, s.top_k, s.seed),
+    )
+
     def teacher() -> Teacher:
         if "teacher" not in loaded:
-            size = EngineConfig(max_sessions=s.gen_batch, max_seq_len=320 + s.max_new_tokens)
+            size = EngineConfig(max_sessions=s.gen_batch, max_seq_len=spec.context)
             engine = Engine.from_hf(target_hf(), tokenizer, size, s.target)
             loaded["teacher"] = Teacher(engine, tokenizer)
         return loaded["teacher"]
 
-    spec = DataSpec(s.tokens, s.eval_prompts, s.max_new_tokens, s.gen_batch, s.top_k, s.seed)
-    examples, heldout = collect(folder / "data", spec, teacher, log)
+    examples, held = collect(folder / "data", spec, teacher, log)
     if s.method == "eagle":
-        return distill_eagle(s, target_hf(), path, examples, heldout, log)
+        return distill_eagle(s, target_hf(), path, examples, held, log)
     kept = choose_vocab(examples, target_config.vocab_size, s.vocab_top, tokenizer.all_special_ids)
     config = draft_config(target_config, s.layers, s.hidden, s.intermediate)
     torch.manual_seed(s.seed)
@@ -141,14 +151,14 @@ def distill(s: DistillSettings, log=print) -> dict | None:
         f"{len(kept)} of {config.vocab_size}, draft {_millions(trainer.body)}M body parameters"
     )
     steps = TrainSpec(s.steps, s.batch_size, s.lr, s.prompt_weight, s.checkpoint_every, s.seed)
-    objective = kl_objective(trainer, examples, heldout, s.prompt_weight)
+    objective = kl_objective(trainer, examples, held["heldout"], s.prompt_weight)
     lengths = [len(e.ids) for e in examples]
     if not train(trainer, lengths, steps, checkpoint, objective, log, s.stop_after):
         return None
 
     export(trainer, s.out, path, SAVE_DTYPES[s.save_dtype])
     saved = AutoModelForCausalLM.from_pretrained(s.out, dtype=torch.float32).eval()
-    result = saved_agreement(saved, heldout, trainer)
+    results = {split: saved_agreement(saved, held[split], trainer) for split in HELD_OUT}
     report = write_report(
         s,
         examples,
@@ -156,35 +166,36 @@ def distill(s: DistillSettings, log=print) -> dict | None:
         TRAIN_RECIPE,
         kept_vocab=len(kept),
         vocab_size=config.vocab_size,
-        kept_coverage_heldout=_coverage(heldout, trainer.slot_of, len(kept)),
-        heldout=result,
+        kept_coverage_heldout=_coverage(held["heldout"], trainer.slot_of, len(kept)),
+        **results,
     )
-    log(
-        f"done: held-out agreement with the target's greedy token: top-1 {result['top1']:.3f}, "
-        f"top-{TOP} {result[f'top{TOP}']:.3f} over {result['positions']} answer positions "
-        f"({len(heldout)} prompts); unkept argmax {result['unkept_argmax']}; "
-        f"saved {s.out} ({report['size_bytes'] / 1e6:.1f} MB)"
-    )
+    for split, result in results.items():
+        log(
+            f"done: agreement with the target's greedy token on {split}: top-1 "
+            f"{result['top1']:.3f}, top-{TOP} {result[f'top{TOP}']:.3f} over "
+            f"{result['positions']} answer positions ({len(held[split])} answers); unkept "
+            f"argmax {result['unkept_argmax']}"
+        )
+    log(f"saved {s.out} ({report['size_bytes'] / 1e6:.1f} MB)")
     return report
 
 
-def distill_eagle(s: DistillSettings, target_hf, path: Path, examples, heldout, log) -> dict | None:
+def distill_eagle(s: DistillSettings, target_hf, path: Path, examples, held, log) -> dict | None:
     """Trains, exports and reports an EAGLE-style head (workers/tools/distill/eagle.py)."""
     steps = TrainSpec(s.steps, s.batch_size, s.lr, 0.0, s.checkpoint_every, s.seed)
-    trained = train_eagle(
-        target_hf, examples, heldout, steps, s.out / "checkpoint", log, s.stop_after
-    )
+    trained = train_eagle(target_hf, examples, held, steps, s.out / "checkpoint", log, s.stop_after)
     if trained is None:
         return None
-    trainer, held = trained
+    trainer, results = trained
     export_eagle(trainer, s.out, path, SAVE_DTYPES[s.save_dtype])
     checkpoint = Checkpoint(s.out / "checkpoint" / "eagle.pt")
-    report = write_report(s, examples, checkpoint, EAGLE_RECIPE, heldout=held)
-    log(
-        f"done: held-out agreement of the head (fed the target's states) with the target's "
-        f"greedy token: top-1 {held['top1']:.3f}, top-{TOP} {held[f'top{TOP}']:.3f}; "
-        f"saved {s.out} ({report['size_bytes'] / 1e6:.1f} MB)"
-    )
+    report = write_report(s, examples, checkpoint, EAGLE_RECIPE, **results)
+    for split, result in results.items():
+        log(
+            f"done: agreement of the head (fed the target's states) with the target's greedy "
+            f"token on {split}: top-1 {result['top1']:.3f}, top-{TOP} {result[f'top{TOP}']:.3f}"
+        )
+    log(f"saved {s.out} ({report['size_bytes'] / 1e6:.1f} MB)")
     return report
 
 
@@ -196,6 +207,7 @@ def write_report(
     report = {
         "target": s.target,
         "recipe": {name: getattr(s, name) for name in (*DATA_RECIPE, *recipe)},
+        "prompt_set": prompt_set.VERSION,
         "train_prompts": len(examples),
         "train_answer_tokens": sum(e.answer_len for e in examples),
         **fields,
@@ -235,9 +247,10 @@ def _check_recipe(folder: Path, s: DistillSettings) -> None:
     meta = folder / "recipe.json"
     names, state = (EAGLE_RECIPE, "eagle.pt") if s.method == "eagle" else (TRAIN_RECIPE, "state.pt")
     recipe = {name: _jsonable(getattr(s, name)) for name in (*DATA_RECIPE, *names)}
+    recipe["prompt_set"] = prompt_set.VERSION
     if meta.is_file():
         old = json.loads(meta.read_text())
-        data_diff = [n for n in DATA_RECIPE if old.get(n) != recipe[n]]
+        data_diff = [n for n in (*DATA_RECIPE, "prompt_set") if old.get(n) != recipe[n]]
         if data_diff:
             raise ValueError(
                 f"{folder} holds data made with other options ({_diff(old, recipe, data_diff)}); "
@@ -255,7 +268,12 @@ def _check_recipe(folder: Path, s: DistillSettings) -> None:
 
 
 def _diff(old: dict, new: dict, names: list[str]) -> str:
-    return ", ".join(f"--{n.replace('_', '-')} was {old.get(n)!r}, now {new[n]!r}" for n in names)
+    return ", ".join(
+        f"the prompt set was version {old.get(n)!r}, now {new[n]!r}"
+        if n == "prompt_set"
+        else f"--{n.replace('_', '-')} was {old.get(n)!r}, now {new[n]!r}"
+        for n in names
+    )
 
 
 def _jsonable(value):
