@@ -1,6 +1,6 @@
 """`specsplit distill`: a small draft model trained on a target's own greedy answers.
 
-prompts.py  the templated chat prompt set (train and held-out pools)
+prompts.py  the chat request sets (train, held-out topics, held-out kinds)
 data.py     the target's answers and next-token distributions, cached batch by batch
 model.py    the draft's shape, its kept vocabulary and how it is saved as a plain model
 train.py    the KL training loop, checkpoints and agreement

@@ -2,8 +2,9 @@
 
 An `Example` is one chat prompt followed by the target's greedy answer to it, with the
 target's k most likely next tokens (and their log-probabilities) at every position, prompt
-included. The target runs on SpecSplit's own engine, batched over KV slots, so the
-answers are the served engine's own greedy choices.
+included. A request of two turns gives two: the second's prompt is the first turn, the
+target's answer to it and the follow-up. The target runs on SpecSplit's own engine, batched
+over KV slots, so the answers are the served engine's own greedy choices.
 
 The cache is a folder of batch files `<split>-<index>.pt`, each written whole by one
 rename, so an interrupted generation resumes at the first missing batch and a finished

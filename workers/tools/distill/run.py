@@ -1,16 +1,17 @@
 """`specsplit distill`: make a small draft for a target from the target's own behaviour.
 
 Steps, each resumable:
-  1. data: the target answers templated chat prompts greedily (batched on the native
-     engine, one KV slot per prompt); its top-k
-     next-token distributions over prompt and answer are cached in OUT/checkpoint/data/;
+  1. data: the target answers templated chat requests (one or two turns) greedily
+     (batched on the native engine, one KV slot per request); its top-k next-token
+     distributions over prompt and answer are cached in OUT/checkpoint/data/;
   2. vocabulary: the K target ids the training data uses most get draft rows;
   3. train: KL against the target, checkpointed to OUT/checkpoint/state.pt (weights,
      optimizer, step, RNG states) every --checkpoint-every steps;
   4. export: OUT becomes a plain model directory (config.json, model.safetensors, the
      target's tokenizer files) that `--draft-model OUT` loads like any other;
   5. report: top-1 / top-3 agreement of the saved draft with the target's greedy token on
-     held-out prompts, printed and written to OUT/distill.json.
+     both held-out sets (new topics of the training kinds; kinds never trained on),
+     printed and written to OUT/distill.json.
 Run the same command again after an interruption and it goes on where it stopped.
 
 `--method eagle` keeps step 1 and trains an EAGLE-style feature head instead
