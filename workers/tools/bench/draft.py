@@ -81,21 +81,19 @@ def agreement(
 
 
 def acceptance(
-    off: LocalDecoder,
     chain: LocalDecoder,
     draft: Engine,
     target: Engine,
     chats: list[list[int]],
-    max_tokens: int,
+    answers: list[list[int]],
 ) -> dict:
     """(a) on one prompt set: teacher-forced top-1 / top-3 agreement with the target's greedy
-    answers, and the share of one-token chains the target accepts in the loop."""
+    `answers`, and the share of one-token chains the target accepts in the loop."""
     hits1 = hits3 = positions = proposed = accepted = rounds = 0
-    for ids in chats:
-        answer = off.generate(ids, max_tokens, SamplingParams()).token_ids
+    for ids, answer in zip(chats, answers, strict=True):
         h1, h3, n = agreement(draft, target, ids, answer)
         hits1, hits3, positions = hits1 + h1, hits3 + h3, positions + n
-        gen = chain.generate(ids, max_tokens, SamplingParams())
+        gen = chain.generate(ids, len(answer), SamplingParams())
         if gen.token_ids != answer:
             raise RuntimeError("a one-token chain changed the target's greedy answer")
         proposed, accepted = proposed + gen.stats.draft_tokens, accepted + gen.stats.accepted_tokens
@@ -194,10 +192,16 @@ def run(s: DraftBenchSettings) -> str:
             t["emitted"] += gen.stats.emitted_tokens
             outputs[name].append(gen.token_ids)
     reference = outputs["speculation off"]
+    answers = {
+        "heldout": reference,
+        "unlike": [
+            decoders["speculation off"].generate(ids, s.max_tokens, SamplingParams()).token_ids
+            for ids in chats["unlike"]
+        ],
+    }
     one = decoder(model(), TreeSpec(depth=1, branching=1, budget=1))
     accepts = {
-        split: acceptance(decoders["speculation off"], one, draft, target, ids, s.max_tokens)
-        for split, ids in chats.items()
+        split: acceptance(one, draft, target, chats[split], answers[split]) for split in chats
     }
     verify_sizes = sorted({1, 2, 4, 8, tree.budget + 1})
     costs = forward_costs(
