@@ -207,8 +207,7 @@ def write_report(
     state = torch.load(checkpoint.path, weights_only=False)
     report = {
         "target": s.target,
-        "recipe": {name: getattr(s, name) for name in (*DATA_RECIPE, *recipe)},
-        "prompt_set": prompt_set.VERSION,
+        "recipe": recipe_of(s, recipe),
         "train_prompts": len(examples),
         "train_answer_tokens": sum(e.answer_len for e in examples),
         **fields,
@@ -247,8 +246,7 @@ def _check_recipe(folder: Path, s: DistillSettings) -> None:
     """Refuses to mix a checkpoint's work with different options; records them on first use."""
     meta = folder / "recipe.json"
     names, state = (EAGLE_RECIPE, "eagle.pt") if s.method == "eagle" else (TRAIN_RECIPE, "state.pt")
-    recipe = {name: _jsonable(getattr(s, name)) for name in (*DATA_RECIPE, *names)}
-    recipe["prompt_set"] = prompt_set.VERSION
+    recipe = recipe_of(s, names)
     if meta.is_file():
         old = json.loads(meta.read_text())
         data_diff = [n for n in (*DATA_RECIPE, "prompt_set") if old.get(n) != recipe[n]]
@@ -275,6 +273,12 @@ def _diff(old: dict, new: dict, names: list[str]) -> str:
         else f"--{n.replace('_', '-')} was {old.get(n)!r}, now {new[n]!r}"
         for n in names
     )
+
+
+def recipe_of(s: DistillSettings, names: tuple[str, ...]) -> dict:
+    """The options the data and the training depend on, and the request set's version."""
+    recipe = {name: _jsonable(getattr(s, name)) for name in (*DATA_RECIPE, *names)}
+    return {**recipe, "prompt_set": prompt_set.VERSION}
 
 
 def _jsonable(value):
