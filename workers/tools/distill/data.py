@@ -196,10 +196,11 @@ def collect(
     n_batches = math.ceil(spec.eval_prompts / spec.batch_size)
     held = {}
     for split in HELD_OUT:
-        batches = _fill(folder, split, spec, teacher, log, lambda b, _: b < n_batches)
+        batches = _fill(folder, split, spec, teacher, log, lambda b, _: b < n_batches, None)
         requests = itertools.islice(prompt_set.requests(split, spec.seed), spec.eval_prompts)
         held[split] = _flat(batches)[: sum(len(r.turns) for r in requests)]
-    train = _fill(folder, "train", spec, teacher, log, lambda _, n: n < spec.tokens)
+    goal = spec.tokens
+    train = _fill(folder, "train", spec, teacher, log, lambda _, n: n < goal, goal)
     return _flat(train), held
 
 
@@ -214,8 +215,10 @@ def _fill(
     teacher: Callable[[], Teacher],
     log: Log,
     more: Callable[[int, int], bool],
+    goal: int | None,
 ) -> list[list[Example]]:
-    """The shortest run of batches for which `more(batches, answer tokens)` turns False."""
+    """The shortest run of batches for which `more(batches, answer tokens)` turns False;
+    `goal`, the answer tokens `more` waits for if it counts tokens, only feeds the log."""
     batches: list[list[Example]] = []
     answered = 0
     for cached in load_batches(folder, split):  # a cache made for a bigger run serves a prefix
@@ -227,7 +230,6 @@ def _fill(
     for _ in batches:  # skip the requests of the cached batches
         next(source)
     start, fresh = time.perf_counter(), 0
-    goal = spec.tokens if split == "train" else None
     while more(len(batches), answered):
         requests = next(source, None)
         if requests is None:
