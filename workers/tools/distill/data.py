@@ -196,11 +196,10 @@ def collect(
     n_batches = math.ceil(spec.eval_prompts / spec.batch_size)
     held = {}
     for split in HELD_OUT:
-        batches = _fill(folder, split, spec, teacher, log, lambda b, _: b < n_batches, None)
+        batches = _fill(folder, split, spec, teacher, log, batches=n_batches)
         requests = itertools.islice(prompt_set.requests(split, spec.seed), spec.eval_prompts)
         held[split] = _flat(batches)[: sum(len(r.turns) for r in requests)]
-    goal = spec.tokens
-    train = _fill(folder, "train", spec, teacher, log, lambda _, n: n < goal, goal)
+    train = _fill(folder, "train", spec, teacher, log, tokens=spec.tokens)
     return _flat(train), held
 
 
@@ -214,41 +213,48 @@ def _fill(
     spec: DataSpec,
     teacher: Callable[[], Teacher],
     log: Log,
-    more: Callable[[int, int], bool],
-    goal: int | None,
+    *,
+    batches: int | None = None,
+    tokens: int | None = None,
 ) -> list[list[Example]]:
-    """The shortest run of batches for which `more(batches, answer tokens)` turns False;
-    `goal`, the answer tokens `more` waits for if it counts tokens, only feeds the log."""
-    batches: list[list[Example]] = []
+    """The shortest run of the split's batches that holds `batches` batches, or else
+    `tokens` answer tokens."""
+
+    def more(made: list[list[Example]], answered: int) -> bool:
+        if batches is not None:
+            return len(made) < batches
+        return tokens is not None and answered < tokens
+
+    made: list[list[Example]] = []
     answered = 0
     for cached in load_batches(folder, split):  # a cache made for a bigger run serves a prefix
-        if not more(len(batches), answered):
+        if not more(made, answered):
             break
-        batches.append(cached)
+        made.append(cached)
         answered += sum(e.answer_len for e in cached)
     source = request_batches(split, spec)
-    for _ in batches:  # skip the requests of the cached batches
+    for _ in made:  # skip the requests of the cached batches
         next(source)
     start, fresh = time.perf_counter(), 0
-    while more(len(batches), answered):
+    while more(made, answered):
         requests = next(source, None)
         if requests is None:
-            if goal:
+            if tokens:
                 log(f"data {split}: the prompt set is exhausted at {answered} answer tokens")
             break
         examples = answer(teacher(), requests, spec)
-        _save_batch(folder / f"{split}-{len(batches):05d}.pt", examples)
-        batches.append(examples)
+        _save_batch(folder / f"{split}-{len(made):05d}.pt", examples)
+        made.append(examples)
         new = sum(e.answer_len for e in examples)
         answered, fresh = answered + new, fresh + new
         rate = fresh / (time.perf_counter() - start)
-        left = f", about {duration((goal - answered) / rate)} left" if goal else ""
-        target = f"/{goal}" if goal else ""
+        left = f", about {duration((tokens - answered) / rate)} left" if tokens else ""
+        target = f"/{tokens}" if tokens else ""
         log(
-            f"data {split}: batch {len(batches)}, {answered}{target} answer tokens, "
+            f"data {split}: batch {len(made)}, {answered}{target} answer tokens, "
             f"{rate:.1f} tokens/s{left}"
         )
-    return batches
+    return made
 
 
 def duration(seconds: float) -> str:
