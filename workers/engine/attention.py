@@ -75,11 +75,17 @@ def sum_chunks(*parts: torch.Tensor) -> torch.Tensor:
     # order, added one after another (as if concatenated, without the copy). Zero chunks
     # anywhere (a batch's wider padding, a tree group's shared columns another slot needs)
     # add nothing: one order whatever the batch looks like.
-    chunks_in_order = (part[:, :, c] for part in parts for c in range(part.shape[2]))
-    total = next(chunks_in_order).clone()
-    for x in chunks_in_order:
+    first, *rest = [c for part in parts for c in part.unbind(2)]  # one view per chunk
+    total = first.clone()
+    for x in rest:
         total += x
     return total
+
+
+def joined_chunks(parts: list[torch.Tensor]) -> torch.Tensor:
+    # parts: (G, Hkv or 1, C_i, rows, chunk) each -> (G, Hkv or 1, C, rows, chunk); one part
+    # as it is (a decode's shared keys alone: no copy)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
 
 
 def scores_by_chunk(q: torch.Tensor, keys: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -130,7 +136,7 @@ def attend(q: torch.Tensor, shared: Keys, tail: Keys | None, chunk: int) -> torc
         tail_scores = scores_by_chunk(q_tokens, tail_keys, chunk)[..., :rep, :]
         scores.append(pad_rows(tail_to_slots(tail_scores, g, t), rows))  # (G, Hkv, Ct, rows, chunk)
         seen.append(visible(tail_mask, rep, rows, chunk))
-    scores = torch.cat(scores, 2).masked_fill(~torch.cat(seen, 2), float("-inf"))
+    scores = joined_chunks(scores).masked_fill(~joined_chunks(seen), float("-inf"))
     top = scores.amax(4, keepdim=True).amax(2, keepdim=True)  # (G, Hkv, 1, rows, 1): exact
     p = torch.exp(scores - top)  # (G, Hkv, C, rows, chunk), masked: 0
     total = sum_chunks(p.sum(-1, keepdim=True))  # (G, Hkv, rows, 1)
