@@ -46,6 +46,15 @@ LABEL org.opencontainers.image.title="SpecSplit" \
       org.opencontainers.image.description="OpenAI-compatible gateway for lossless tree speculative decoding" \
       org.opencontainers.image.licenses="Apache-2.0"
 
+# gcc: a CPU worker builds its attention kernel (workers/engine/paged_attention.c) for the
+# node's own CPU at first start, into /models/kernels; without it the worker says so and
+# uses the slower torch-ops attention. Unpinned: bookworm's security updates replace exact
+# versions of libc6-dev, and any gcc builds it.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 RUN groupadd --gid 10001 specsplit \
     && useradd --uid 10001 --gid 10001 --no-log-init --create-home --home-dir /home/specsplit specsplit \
     && mkdir -p /models \

@@ -38,6 +38,12 @@ class EngineOptions(BaseSettings):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="float32, bfloat16 or float16"
     )
+    attention: Literal["auto", "compiled", "chunked"] = Field(
+        "auto",
+        description="compiled: one C loop per layer, built once by the system's C compiler "
+        "(CPU, float32 or bfloat16); chunked: torch ops, any device; auto: compiled where it "
+        "builds and serves, else chunked",
+    )
     max_seq_len: int = Field(2048, ge=2, description="most tokens per session")
     model_cache: Path | None = Field(
         None, description="model cache; default $SPECSPLIT_MODEL_CACHE or ~/.cache/specsplit"

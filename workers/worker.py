@@ -158,6 +158,7 @@ class WorkerSettings(EngineOptions):
             model=self.model_name,
             device=self.device,
             dtype=self.dtype,
+            attention=self.attention,
             max_sessions=self.max_sessions,
             max_seq_len=self.max_seq_len,
             kv_tokens=self.kv_tokens,

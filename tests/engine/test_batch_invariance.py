@@ -1,5 +1,7 @@
 """A token's logits are bit-identical however it reaches the model: in a prefill, one token
-at a time, as a tree node, or batched with other sessions' rows of other lengths.
+at a time, as a tree node, or batched with other sessions' rows of other lengths; with the
+compiled attention (workers/engine/paged_attention.py) and the chunked one
+(workers/engine/attention.py) alike.
 
 This is what makes speculative greedy equal the same engine's target-only greedy in
 bfloat16, where a one-ulp difference flips near-ties (tests/gateway/test_bf16.py).
@@ -14,6 +16,8 @@ from workers.engine.batch import SlotInput
 from workers.engine.engine import Engine, EngineConfig
 
 DTYPES = [torch.float32, torch.bfloat16]
+ATTENTIONS = ["compiled", "chunked"]
+CASES = [(d, a) for d in DTYPES for a in ATTENTIONS]
 SEQ = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(11)).tolist()
 OTHER = torch.randint(0, 96, (23,), generator=torch.Generator().manual_seed(12)).tolist()
 LONG = torch.randint(0, 96, (100,), generator=torch.Generator().manual_seed(13)).tolist()
@@ -23,9 +27,10 @@ def chain(n: int) -> list[int]:
     return [i - 1 for i in range(n)]
 
 
-def engine(dtype: torch.dtype) -> Engine:
+def engine(dtype: torch.dtype, attention: str) -> Engine:
     hf = tiny_hf_model("llama", seed=9).to(dtype)
-    return Engine.from_hf(hf, None, EngineConfig(max_sessions=3, max_seq_len=256), "t")
+    config = EngineConfig(max_sessions=3, max_seq_len=256, attention=attention)
+    return Engine.from_hf(hf, None, config, "t")
 
 
 def one_by_one(eng: Engine, slot: int, tokens: list[int]) -> torch.Tensor:
@@ -35,15 +40,15 @@ def one_by_one(eng: Engine, slot: int, tokens: list[int]) -> torch.Tensor:
     )
 
 
-@pytest.fixture(scope="module", params=DTYPES, ids=str)
+@pytest.fixture(scope="module", params=CASES, ids=str)
 def reference(request):
-    eng = engine(request.param)
+    eng = engine(*request.param)
     return request.param, one_by_one(eng, 0, SEQ)
 
 
 def test_prefill_equals_one_by_one(reference):
-    dtype, ref = reference
-    eng = engine(dtype)
+    case, ref = reference
+    eng = engine(*case)
     (whole,) = eng.forward([SlotInput(0, 0, chain(len(SEQ)), SEQ, logits_for=len(SEQ))])
     assert torch.equal(whole, ref)
     # the same prompt in uneven chunks, across block boundaries
@@ -57,8 +62,8 @@ def test_prefill_equals_one_by_one(reference):
 
 @pytest.mark.parametrize("prefix", [5, 20, 32])  # within, across, at a block boundary
 def test_tree_nodes_equal_one_by_one(reference, prefix):
-    dtype, ref = reference
-    eng = engine(dtype)
+    case, ref = reference
+    eng = engine(*case)
     eng.forward([SlotInput(0, 0, chain(prefix), SEQ[:prefix])])
     # the true path (regions 0, 2, 4, 6, 7) interleaved with decoys, so a node's ancestors
     # sit in scattered columns
@@ -71,8 +76,8 @@ def test_tree_nodes_equal_one_by_one(reference, prefix):
 
 
 def test_batched_with_other_sessions_equals_alone(reference):
-    dtype, ref = reference
-    eng = engine(dtype)
+    case, ref = reference
+    eng = engine(*case)
     eng.forward([SlotInput(0, 0, chain(30), SEQ[:30])])
     eng.forward([SlotInput(1, 0, chain(5), OTHER[:5])])
     # a decode beside another session's decode (another width) and a prefill (another group)
@@ -95,13 +100,13 @@ def test_batched_with_other_sessions_equals_alone(reference):
     assert torch.equal(tree[[0, 2, 3]], ref[31:34])
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_tree_beside_a_tree_behind_a_longer_prefix_equals_one_by_one(dtype):
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_tree_beside_a_tree_behind_a_longer_prefix_equals_one_by_one(case):
     """Two trees of as many nodes share one attention call, whose shared columns are the
     longer prefix's whole blocks: the shorter prefix's tree nodes read zero chunks there
     before their own, and still sum exactly as one token at a time does."""
-    ref = one_by_one(engine(dtype), 0, LONG)
-    eng = engine(dtype)
+    ref = one_by_one(engine(*case), 0, LONG)
+    eng = engine(*case)
     short, long = 50, 70  # 3 and 4 whole blocks of 16
     eng.forward([SlotInput(0, 0, chain(short), LONG[:short])])
     eng.forward([SlotInput(1, 0, chain(long), LONG[:long])])

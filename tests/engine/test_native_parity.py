@@ -8,6 +8,7 @@ from workers.engine.batch import SlotInput
 from workers.engine.engine import Engine, EngineConfig
 
 KINDS = ["llama", "qwen2", "llama3"]
+ATTENTIONS = ["compiled", "chunked"]  # workers/engine/paged_attention.py, attention.py
 
 
 def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
@@ -19,19 +20,23 @@ def chain(n: int) -> list[int]:
     return [i - 1 for i in range(n)]
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_prefill_matches_transformers(kind):
+def test_prefill_matches_transformers(kind, attention):
     hf = tiny_hf_model(kind)
-    engine = Engine.from_hf(hf, None, EngineConfig(max_sessions=2, max_seq_len=256), kind)
+    config = EngineConfig(max_sessions=2, max_seq_len=256, attention=attention)
+    engine = Engine.from_hf(hf, None, config, kind)
     tokens = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     (ours,) = engine.forward([SlotInput(0, 0, chain(40), tokens, logits_for=40)])
     assert (ours - hf_logits(hf, tokens)).abs().max() < 1e-3
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_incremental_and_batched_match_transformers(kind):
+def test_incremental_and_batched_match_transformers(kind, attention):
     hf = tiny_hf_model(kind, seed=3)
-    engine = Engine.from_hf(hf, None, EngineConfig(max_sessions=3, max_seq_len=256), kind)
+    config = EngineConfig(max_sessions=3, max_seq_len=256, attention=attention)
+    engine = Engine.from_hf(hf, None, config, kind)
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (30, 17, 45)]
     # prefill all but the last 5 tokens of each, in one batched forward of uneven rows
@@ -44,10 +49,12 @@ def test_incremental_and_batched_match_transformers(kind):
         assert (out - hf_logits(hf, s)[-5:]).abs().max() < 1e-3
 
 
-def test_decode_batched_with_a_prefill_matches_transformers():
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_decode_batched_with_a_prefill_matches_transformers(attention):
     """Rows of 1 and 20 new tokens share one unpadded forward; all logits stay exact."""
     hf = tiny_hf_model("llama", seed=4)
-    engine = Engine.from_hf(hf, None, EngineConfig(max_sessions=2, max_seq_len=256), "t")
+    config = EngineConfig(max_sessions=2, max_seq_len=256, attention=attention)
+    engine = Engine.from_hf(hf, None, config, "t")
     gen = torch.Generator().manual_seed(3)
     first, second = (torch.randint(0, 96, (n,), generator=gen).tolist() for n in (12, 20))
     engine.forward([SlotInput(0, 0, chain(11), first[:-1])])

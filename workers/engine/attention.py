@@ -1,4 +1,7 @@
-"""Batch-invariant attention: a query's output depends on its own keys, never on the batch.
+"""Batch-invariant attention in torch ops: a query's output depends on its own keys, never on
+the batch. The engine's attention on any device; on a CPU, the compiled one
+(workers/engine/paged_attention.py, the same property in one C loop) replaces it
+where it builds (`EngineConfig.attention`).
 
 `torch.nn.functional.scaled_dot_product_attention` on the CPU rounds a query's
 output differently with the number of keys it reads (masked ones included)

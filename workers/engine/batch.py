@@ -4,7 +4,10 @@
 child of the committed prefix) and feeds its last T tokens; `build_batch`
 derives positions and the tree attention masks from it and lays B slots out
 as one `ForwardBatch` of N = sum(T_b) tokens, unpadded, with the KV pool
-positions (workers/engine/kv_cache.py) each token writes and each group reads.
+positions (workers/engine/kv_cache.py) each token writes and reads: for the
+compiled attention (workers/engine/paged_attention.py) each token's own list
+of visible keys, for the chunked one (workers/engine/attention.py) key rows
+gathered per group of rows.
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ class SlotInput:
     parents: list[int]  # (U,) the uncommitted region as a tree; -1 = child of the prefix
     tokens: list[int]  # (T,) the region's last T tokens, fed now; the rest is cached
     logits_for: int = 1  # how many trailing tokens need logits
+
+
+@dataclass(frozen=True)
+class VisibleKeys:
+    """Each new token's visible keys by pool position, in sequence order (the committed
+    prefix, then its ancestors and itself): all the compiled attention reads of it."""
+
+    positions: torch.Tensor  # (M,) long: token after token, its visible keys' pool positions
+    starts: torch.Tensor  # (N + 1,) long: token n's keys are positions[starts[n]:starts[n + 1]]
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,8 @@ class ForwardBatch:
     tokens: torch.Tensor  # (N,) long: new tokens
     positions: torch.Tensor  # (N,) long: RoPE positions
     token_positions: torch.Tensor  # (N,) long: the KV pool position each token's key/value goes to
-    groups: list[RowGroup]
+    groups: list[RowGroup]  # the chunked attention's calls; none for the compiled one
+    visible: VisibleKeys | None  # the compiled attention's keys; None for the chunked one
     ends: list[int]  # (B,): where each row's tokens end among the N
 
 
@@ -106,43 +119,48 @@ def key_rows(
     return KeyRows(len(reads), width, entries.flatten().to(device), mask.to(device))
 
 
-def build_batch(rows: list[SlotInput], cache: PagedKVCache, device: torch.device) -> ForwardBatch:
-    """The forward of `rows` laid out for the model: N tokens, their positions, pool positions,
-    and one attention mask per group of rows with equal T. Each row's slot must already
-    hold blocks for its L_b columns (`PagedKVCache.reserve`)."""
-    widths = [r.prefix_len + len(r.parents) for r in rows]  # L_b
-    room = cache.max_seq_len
-    if max(widths) > room:
-        raise ValueError(f"sequence of {max(widths)} tokens exceeds the cache ({room} tokens)")
-    lengths = [len(r.tokens) for r in rows]  # T_b
-    starts = [0, *accumulate(lengths)]  # row b's tokens: starts[b] to starts[b + 1]
-    positions, masks = [], []
-    for r in rows:
-        n, u = len(r.tokens), len(r.parents)
-        parents = torch.tensor(r.parents, dtype=torch.long)  # (U,)
-        positions.append(r.prefix_len + depths(parents)[u - n :] - 1)  # (T_b,)
-        mask = torch.ones(n, r.prefix_len + u, dtype=torch.bool)  # (T_b, L_b)
-        mask[:, r.prefix_len :] = tree_mask(parents)[u - n :]
-        masks.append(mask)
+def visible_keys(
+    columns: list[torch.Tensor], masks: list[torch.Tensor], device: torch.device
+) -> VisibleKeys:
+    """Each row's (L_b,) pool positions of its columns under its (T_b, L_b) mask, listed token
+    by token: a token's visible columns in column order, which is its sequence order."""
+    listed = [c.expand(m.shape[0], -1)[m] for c, m in zip(columns, masks, strict=True)]
+    counts = torch.cat([m.sum(1) for m in masks])  # (N,)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])  # (N + 1,)
+    return VisibleKeys(torch.cat(listed).to(device), starts.to(device))
+
+
+def row_groups(
+    rows: list[SlotInput],
+    columns: list[torch.Tensor],
+    masks: list[torch.Tensor],
+    starts: list[int],
+    cache: PagedKVCache,
+    device: torch.device,
+) -> list[RowGroup]:
+    """The chunked attention's calls, one per group of rows with equal T: each row's (L_b,)
+    pool positions of its columns under its (T_b, L_b) mask, its tokens from starts[b]."""
+    lengths = [len(r.tokens) for r in rows]
     groups = []
     for new in sorted(set(lengths)):
         members = [b for b, n in enumerate(lengths) if n == new]
-        columns = [cache.positions(rows[b].slot, torch.arange(widths[b])) for b in members]
         tail = None
         if all(is_chain(masks[b]) for b in members):
-            shared = key_rows(columns, [masks[b] for b in members], cache, device)
+            shared = key_rows(
+                [columns[b] for b in members], [masks[b] for b in members], cache, device
+            )
         else:
             whole = [rows[b].prefix_len // cache.block_size * cache.block_size for b in members]
             shared = key_rows(
-                [c[:w] for c, w in zip(columns, whole, strict=True)],
+                [columns[b][:w] for b, w in zip(members, whole, strict=True)],
                 [masks[b][:, :w] for b, w in zip(members, whole, strict=True)],
                 cache,
                 device,
             )
             reads, seen = [], []
-            for b, c, w in zip(members, columns, whole, strict=True):
+            for b, w in zip(members, whole, strict=True):
                 rest = [row.nonzero().squeeze(1)[w:] for row in masks[b]]  # (n_t,) each, in order
-                reads += [c[r] for r in rest]
+                reads += [columns[b][r] for r in rest]
                 counts = torch.tensor([len(r) for r in rest])  # (T,)
                 seen.append(torch.arange(int(counts.max())) < counts[:, None])  # (T, max n_t)
             tail = key_rows(reads, seen, cache, device)
@@ -157,14 +175,42 @@ def build_batch(rows: list[SlotInput], cache: PagedKVCache, device: torch.device
                 tail=tail,
             )
         )
-    written = [
-        cache.positions(r.slot, torch.arange(w - n, w))
-        for r, w, n in zip(rows, widths, lengths, strict=True)
-    ]  # (T_b,) each
+    return groups
+
+
+def build_batch(
+    rows: list[SlotInput], cache: PagedKVCache, device: torch.device, listed: bool = False
+) -> ForwardBatch:
+    """The forward of `rows` laid out for the model: N tokens, their positions, pool positions,
+    and what attention reads: with `listed` each token's visible keys (the compiled
+    attention), else one call per group of rows with equal T (the chunked one). Each row's
+    slot must already hold blocks for its L_b columns (`PagedKVCache.reserve`)."""
+    widths = [r.prefix_len + len(r.parents) for r in rows]  # L_b
+    room = cache.max_seq_len
+    if max(widths) > room:
+        raise ValueError(f"sequence of {max(widths)} tokens exceeds the cache ({room} tokens)")
+    lengths = [len(r.tokens) for r in rows]  # T_b
+    starts = [0, *accumulate(lengths)]  # row b's tokens: starts[b] to starts[b + 1]
+    positions, masks = [], []
+    for r in rows:
+        n, u = len(r.tokens), len(r.parents)
+        parents = torch.tensor(r.parents, dtype=torch.long)  # (U,)
+        positions.append(r.prefix_len + depths(parents)[u - n :] - 1)  # (T_b,)
+        mask = torch.ones(n, r.prefix_len + u, dtype=torch.bool)  # (T_b, L_b)
+        mask[:, r.prefix_len :] = tree_mask(parents)[u - n :]
+        masks.append(mask)
+    columns = [cache.positions(r.slot, torch.arange(w)) for r, w in zip(rows, widths, strict=True)]
+    visible, groups = None, []
+    if listed:
+        visible = visible_keys(columns, masks, device)
+    else:
+        groups = row_groups(rows, columns, masks, starts, cache, device)
+    written = [c[w - n :] for c, w, n in zip(columns, widths, lengths, strict=True)]  # (T_b,)
     return ForwardBatch(
         tokens=torch.tensor([x for r in rows for x in r.tokens], device=device),
         positions=torch.cat(positions).to(device),
         token_positions=torch.cat(written).to(device),
         groups=groups,
+        visible=visible,
         ends=starts[1:],
     )

@@ -33,6 +33,7 @@ from torch import nn
 
 from workers.engine.batch import ForwardBatch
 from workers.engine.llama import NativeLlama
+from workers.engine.paged_attention import CompiledAttention
 
 DRAFT_FILE = "specsplit_draft.json"  # {"kind": "model" | "eagle"}; absent = "model"
 FUSE_FILE = "eagle_fuse.safetensors"  # {"weight": (E, 2E)}
@@ -63,8 +64,8 @@ class EagleHead(NativeLlama):
 
     takes_features = True
 
-    def __init__(self, hf_model, fuse: nn.Linear):
-        super().__init__(hf_model)
+    def __init__(self, hf_model, fuse: nn.Linear, compiled: CompiledAttention | None = None):
+        super().__init__(hf_model, compiled)
         if self.shape.num_layers != 1 or fuse.in_features != 2 * self.shape.hidden_size:
             raise ValueError(
                 f"an EAGLE head has one layer and a {2 * self.shape.hidden_size} -> "

@@ -17,8 +17,9 @@ import torch
 from workers.engine.batch import SlotInput, build_batch
 from workers.engine.eagle import EagleHead, draft_kind, load_fuse
 from workers.engine.kv_cache import PagedKVCache
-from workers.engine.llama import NativeLlama
+from workers.engine.llama import LlamaShape, NativeLlama
 from workers.engine.packed import pack_linears
+from workers.engine.paged_attention import compiled_attention
 from workers.protocol import WorkerInfo
 from workers.settings import EMBEDDED_MODEL
 
@@ -41,6 +42,9 @@ class EngineConfig:
     # float32 on CPU: oneDNN-packed linear layers (engine/packed.py); they also round a row
     # the same whatever rows share the product, which plain (MKL) float32 layers do not
     pack_weights: bool = True
+    # "compiled" (workers/engine/paged_attention.py), "chunked" (workers/engine/attention.py),
+    # or "auto": compiled where it can serve (a CPU, float32 or bfloat16, a C compiler)
+    attention: str = "auto"
     cache_dir: Path | None = None  # model cache; None = $SPECSPLIT_MODEL_CACHE or ~/.cache
 
 
@@ -79,10 +83,20 @@ class Engine:
     def from_hf(cls, hf_model, tokenizer, config: EngineConfig, model_id: str, fuse=None) -> Engine:
         """An engine over a transformers model; with `fuse` (an EAGLE head's E*2 -> E linear,
         workers/engine/eagle.py) the model is that head's one layer, fed target states."""
-        model = (NativeLlama(hf_model) if fuse is None else EagleHead(hf_model, fuse)).eval()
+        from workers.engine.loader import default_cache_dir
+
+        shape = LlamaShape.from_config(hf_model.config)
+        dtype = next(hf_model.parameters()).dtype
+        compiled = compiled_attention(
+            config.attention, torch.device(config.device), dtype, shape.head_dim,
+            config.cache_dir or default_cache_dir(),
+        )  # fmt: skip
+        if fuse is None:
+            model = NativeLlama(hf_model, compiled).eval()
+        else:
+            model = EagleHead(hf_model, fuse, compiled).eval()
         if config.pack_weights:
             pack_linears(model)
-        shape = model.shape
         context = min(config.max_seq_len, shape.max_positions)
         room = context + config.max_tree_nodes  # cache columns one session may reach
         cache = PagedKVCache(
@@ -92,7 +106,7 @@ class Engine:
             head_dim=shape.head_dim,
             max_seq_len=room,
             num_tokens=config.kv_tokens or config.max_sessions * room,
-            dtype=next(hf_model.parameters()).dtype,
+            dtype=dtype,
             device=config.device,
             block_size=config.kv_block_size,
         )
@@ -149,7 +163,7 @@ class Engine:
         rows' tokens in order: the target states a feature draft pairs them with."""
         for r in rows:
             self.cache.reserve(r.slot, r.prefix_len + len(r.parents))
-        batch = build_batch(rows, self.cache, self.device)
+        batch = build_batch(rows, self.cache, self.device, listed=self.model.listed)
         if features is not None:
             features = features.to(self.device, next(self.model.parameters()).dtype)
         hidden = self.model.hidden(self.cache, batch, features)  # (N, E)

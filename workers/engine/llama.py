@@ -26,6 +26,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from workers.engine.attention import attend
 from workers.engine.batch import ForwardBatch, RowGroup
 from workers.engine.kv_cache import PagedKVCache
+from workers.engine.paged_attention import CompiledAttention
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 
@@ -132,7 +133,7 @@ def fuse(*linears: nn.Linear) -> nn.Linear:
 class Block(nn.Module):
     """One decoder layer over the weights of a transformers decoder layer."""
 
-    def __init__(self, hf_layer, shape: LlamaShape, index: int):
+    def __init__(self, hf_layer, shape: LlamaShape, index: int, compiled: CompiledAttention | None):
         super().__init__()
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         self.qkv_proj = fuse(attn.q_proj, attn.k_proj, attn.v_proj)  # E -> (H + 2 Hkv) D
@@ -143,6 +144,7 @@ class Block(nn.Module):
         self.norm_mlp = hf_layer.post_attention_layernorm.weight
         self.shape = shape
         self.index = index
+        self.compiled = compiled  # None: attention.py's chunked attention
 
     def project_qkv(self, x: torch.Tensor):
         # x: (N, E) -> q: (N, H, D), k, v: (N, Hkv, D)
@@ -167,7 +169,9 @@ class Block(nn.Module):
         q, k, v = self.project_qkv(x)  # (N, H, D), (N, Hkv, D), (N, Hkv, D)
         q = q * cos + rotate_half(q) * sin
         cache.write(self.index, batch, k * cos + rotate_half(k) * sin, v)
-        if len(batch.groups) == 1:  # every row feeds as many tokens: attend to all at once
+        if self.compiled is not None:  # each token reads its own listed keys from the pool
+            out = self.compiled(q, cache.k[self.index], cache.v[self.index], batch.visible)
+        elif len(batch.groups) == 1:  # every row feeds as many tokens: attend to all at once
             out = self.attend(q, cache, batch.groups[0])  # (N, H, D)
         else:
             out = torch.empty_like(q)  # (N, H, D)
@@ -194,9 +198,11 @@ class Block(nn.Module):
 
 
 class NativeLlama(nn.Module):
-    """The Llama-family forward over a `PagedKVCache`, sharing the weights of `hf_model`."""
+    """The Llama-family forward over a `PagedKVCache`, sharing the weights of `hf_model`;
+    attention by `compiled` (workers/engine/paged_attention.py), or where None by the
+    chunked torch ops of workers/engine/attention.py."""
 
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, compiled: CompiledAttention | None = None):
         super().__init__()
         config = hf_model.config
         self.shape = LlamaShape.from_config(config)
@@ -208,11 +214,12 @@ class NativeLlama(nn.Module):
         body = hf_model.model
         self.embed = body.embed_tokens
         self.blocks = nn.ModuleList(
-            Block(layer, self.shape, i) for i, layer in enumerate(body.layers)
+            Block(layer, self.shape, i, compiled) for i, layer in enumerate(body.layers)
         )
         self.norm = body.norm.weight
         self.lm_head = hf_model.lm_head
         self.rotary = Rotary(config)
+        self.listed = compiled is not None  # whether its batches list each token's keys
 
     takes_features = False  # whether its input pairs each token with a target hidden state
 

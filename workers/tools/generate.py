@@ -98,6 +98,7 @@ def main(argv: list[str]) -> None:
             model=s.target_model,
             device=s.device,
             dtype=s.dtype,
+            attention=s.attention,
             max_sessions=1,
             max_seq_len=s.max_seq_len,
             cache_dir=s.model_cache,

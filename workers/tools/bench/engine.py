@@ -9,9 +9,9 @@ and prints tokens/s, the ratio to transformers `generate`, and the mean
 number of tokens each target forward produced. Greedy outputs are checked to
 be identical across all SpecSplit rows and transformers.
 
-Then, for each of `--dtypes`, the cost of one native forward for the shapes
-a serving round feeds (bench/forward.py): 1 token, a 17-token tree, 8
-sessions x 1 token, a 130-token prefill.
+Then, for each of `--dtypes` and `--attentions`, the cost of one native
+forward for the shapes a serving round feeds (bench/forward.py): 1 token, a
+17-token tree, 8 sessions x 1 token, a 130-token prefill.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ class EngineBenchSettings(BaseSettings):
     max_tokens: int = Field(96, ge=1, description="new tokens per prompt")
     prompts: int = Field(3, ge=1, le=len(TEXTS), description="how many prompts to run")
     dtypes: str = Field("float32,bfloat16", description="comma list: dtypes of the forward costs")
+    attentions: str = Field(
+        "compiled,chunked", description="comma list: attentions of the forward costs"
+    )
     threads: int = Field(0, ge=0, description="torch threads; 0 = torch's default")
     out: Path = Field(Path("bench/results"), description="where the Markdown table goes")
 
@@ -132,20 +135,22 @@ def run_engine_bench(s: EngineBenchSettings) -> str:
 
 
 def forward_table(s: EngineBenchSettings) -> str:
-    """Milliseconds of one native forward per shape and dtype."""
+    """Milliseconds of one native forward per shape, dtype and attention."""
     costs = {}
     for dtype in [d.strip() for d in s.dtypes.split(",") if d.strip()]:
-        engine = Engine.load(EngineConfig(s.target_model, dtype=dtype, max_sessions=8))
-        costs[dtype] = forward_costs(engine)
+        for attention in [a.strip() for a in s.attentions.split(",") if a.strip()]:
+            config = EngineConfig(s.target_model, dtype=dtype, max_sessions=8, attention=attention)
+            costs[dtype, attention] = forward_costs(Engine.load(config))
     shapes = list(next(iter(costs.values())))
     lines = [
         f"One native forward, median ms ({torch.get_num_threads()} torch threads):",
         "",
-        "| dtype | " + " | ".join(shapes) + " |",
-        "|---|" + "---:|" * len(shapes),
+        "| dtype | attention | " + " | ".join(shapes) + " |",
+        "|---|---|" + "---:|" * len(shapes),
     ]
-    for dtype, ms in costs.items():
-        lines.append(f"| {dtype} | " + " | ".join(f"{ms[k]:.1f}" for k in shapes) + " |")
+    for (dtype, attention), ms in costs.items():
+        cells = " | ".join(f"{ms[k]:.1f}" for k in shapes)
+        lines.append(f"| {dtype} | {attention} | {cells} |")
     return "\n".join(lines)
 
 

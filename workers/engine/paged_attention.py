@@ -1,0 +1,153 @@
+"""Batch-invariant paged attention as one compiled loop: the CPU engine's attention.
+
+attention.py reaches batch invariance with torch ops over fixed chunks of 16
+keys, about a hundred small ops a layer whatever the batch; on a CPU their
+fixed costs, and gathering each row's keys out of the paged pool first, make
+a one-token forward slower than transformers' (bench/RESULTS.md). Here one C
+call (paged_attention.c) does a layer's attention for every token of the
+batch: each (token, query head) reads its own visible keys straight from the
+pool, listed by position in sequence order (`VisibleKeys`, built once per
+forward by workers/engine/batch.py), and nothing else, so its output depends
+on that list alone, never on the batch: the property attention.py has, by
+construction instead of by padding. Every sum runs in one fixed order (dot
+products over 8 lanes, then keys in list order), in float32 whatever the
+cache's dtype (float32 or bfloat16).
+
+The library is built once per machine by the system's C compiler (`$CC`, else
+`cc`; `-O3 -march=native`) and cached under the model cache, named by the hash
+of its source, flags and CPU. Where no compiler builds it, or the engine runs
+off the CPU or in float16, the engine keeps attention.py's chunked attention
+(`EngineConfig.attention`).
+
+Shapes: N tokens, H query heads, Hkv key/value heads, P pool positions, D head
+size, M listed keys in all.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from workers.engine.batch import VisibleKeys
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.c")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+LANES = 8  # the kernel's vector width: the head size must be a multiple of it
+MAX_DIM = 512  # the kernel's largest head size
+ENTRY = {torch.float32: "attend_f32", torch.bfloat16: "attend_bf16"}
+ATTENTION = ("auto", "compiled", "chunked")  # EngineConfig.attention
+
+
+def cpu_identity() -> str:
+    """The CPU the library is built for: its model and feature flags (Linux), else the machine."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+
+
+def library_path(cache_dir: Path, compiler: str) -> Path:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode()):
+        digest.update(part)
+    digest.update(cpu_identity().encode())
+    return cache_dir / "kernels" / f"paged_attention-{digest.hexdigest()[:16]}.so"
+
+
+def build(cache_dir: Path) -> Path:
+    """The compiled library for this machine, building it first if the cache lacks it;
+    raises OSError (no compiler) or CalledProcessError (it failed)."""
+    compiler = os.environ.get("CC", "cc")
+    path = library_path(cache_dir, compiler)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        built = Path(tmp) / path.name
+        subprocess.run(
+            [compiler, *FLAGS, "-o", str(built), str(SOURCE)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        built.replace(path)  # atomic: processes building at once each install a whole file
+    return path
+
+
+def supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the compiled attention cannot serve this engine, or None if it can."""
+    if device.type != "cpu":
+        return f"it runs on the CPU, not {device.type}"
+    if dtype not in ENTRY:
+        return f"it reads float32 or bfloat16 caches, not {dtype}"
+    if head_dim % LANES or head_dim > MAX_DIM:
+        return f"head size {head_dim} is not a multiple of {LANES} up to {MAX_DIM}"
+    return None
+
+
+class CompiledAttention:
+    """The loaded kernel for one cache dtype."""
+
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype):
+        self.function = getattr(library, ENTRY[dtype])
+        self.function.restype = ctypes.c_int
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
+        self.function.argtypes = [pointer] * 6 + [size] * 5 + [ctypes.c_float]
+
+    @classmethod
+    def load(cls, cache_dir: Path, dtype: torch.dtype) -> CompiledAttention:
+        """Builds (once per machine) and loads the kernel; raises OSError or
+        CalledProcessError where it cannot."""
+        return cls(ctypes.CDLL(str(build(cache_dir))), dtype)
+
+    def __call__(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, keys: VisibleKeys
+    ) -> torch.Tensor:
+        # q: (N, H, D); k_pool, v_pool: (Hkv, P, D) one layer's pool, contiguous -> (N, H, D)
+        n, heads, dim = q.shape
+        kv_heads, pool, _ = k_pool.shape
+        q32 = q.float().contiguous()  # (N, H, D)
+        out = torch.empty_like(q32)  # (N, H, D)
+        status = self.function(
+            q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+            keys.positions.data_ptr(), keys.starts.data_ptr(), out.data_ptr(),
+            n, heads, kv_heads, pool, dim, dim**-0.5,
+        )  # fmt: skip
+        if status:
+            raise RuntimeError(f"the compiled attention refused its arguments (status {status})")
+        return out.to(q.dtype)
+
+
+def compiled_attention(
+    choice: str, device: torch.device, dtype: torch.dtype, head_dim: int, cache_dir: Path
+) -> CompiledAttention | None:
+    """The kernel for `choice` ("auto", "compiled" or "chunked", EngineConfig.attention), or
+    None for attention.py's chunked attention. "compiled" raises where the kernel cannot
+    serve; "auto" falls back to chunked then, saying why."""
+    if choice not in ATTENTION:
+        raise ValueError(f"attention {choice!r} is not one of {', '.join(ATTENTION)}")
+    if choice == "chunked":
+        return None
+    reason = supported(device, dtype, head_dim)
+    if reason is None:
+        try:
+            return CompiledAttention.load(cache_dir, dtype)
+        except (OSError, subprocess.CalledProcessError) as error:
+            detail = getattr(error, "stderr", None) or error
+            reason = f"it did not build: {detail}"
+    if choice == "compiled":
+        raise ValueError(f"the compiled attention cannot serve this engine: {reason}")
+    log.warning("using the chunked attention (slower): the compiled one cannot serve, %s", reason)
+    return None
