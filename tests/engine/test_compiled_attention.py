@@ -60,7 +60,7 @@ def test_without_a_working_compiler_auto_serves_with_the_chunked_attention(
     config = EngineConfig(max_sessions=1, max_seq_len=64, cache_dir=tmp_path)
     engine = Engine.from_hf(tiny_hf_model(), None, config, "t")
     (logits,) = engine.forward([SlotInput(0, 0, [-1, 0, 1], [3, 4, 5], logits_for=3)])
-    assert logits.shape == (3, 96) and not engine.model.listed
+    assert logits.shape == (3, 96) and engine.model.compiled is None
 
 
 def test_an_unknown_choice_is_refused(tmp_path):

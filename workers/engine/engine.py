@@ -163,7 +163,7 @@ class Engine:
         rows' tokens in order: the target states a feature draft pairs them with."""
         for r in rows:
             self.cache.reserve(r.slot, r.prefix_len + len(r.parents))
-        batch = build_batch(rows, self.cache, self.device, listed=self.model.listed)
+        batch = build_batch(rows, self.cache, self.device, listed=self.model.compiled is not None)
         if features is not None:
             features = features.to(self.device, next(self.model.parameters()).dtype)
         hidden = self.model.hidden(self.cache, batch, features)  # (N, E)

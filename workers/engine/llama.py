@@ -219,7 +219,7 @@ class NativeLlama(nn.Module):
         self.norm = body.norm.weight
         self.lm_head = hf_model.lm_head
         self.rotary = Rotary(config)
-        self.listed = compiled is not None  # whether its batches list each token's keys
+        self.compiled = compiled  # its batches list each token's keys when set
 
     takes_features = False  # whether its input pairs each token with a target hidden state
 
