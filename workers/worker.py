@@ -69,6 +69,11 @@ class WorkerSettings(EngineOptions):
         description="a target or model draft prefills a long prompt this many tokens per "
         "batch, between the other sessions' rounds; 0 = the whole prompt in one batch",
     )
+    prefix_caching: bool = Field(
+        True,
+        description="share the KV blocks of a prompt prefix between sessions (automatic prefix "
+        "caching): a prompt whose first blocks another session has cached skips their prefill",
+    )
     idle_timeout_s: float = Field(600.0, gt=0, description="end sessions idle this long")
     metrics_port: int | None = Field(
         None, ge=0, description="Prometheus /metrics port; default gRPC port + 1000"
@@ -163,6 +168,7 @@ class WorkerSettings(EngineOptions):
             max_seq_len=self.max_seq_len,
             kv_tokens=self.kv_tokens,
             max_tree_nodes=self.max_tree_nodes,
+            prefix_caching=self.prefix_caching,
             cache_dir=self.model_cache,
         )
 

@@ -42,10 +42,11 @@ def test_a_full_pool_evicts_the_least_recently_used_session_outside_the_batch():
         tiny_hf_model(), None, EngineConfig(max_sessions=3, max_seq_len=256, kv_tokens=64), "t"
     )
     runner = TargetRunner(engine, SessionTable(3))
-    prompt = list(range(1, 31))  # 2 blocks with its tree room
+    # 2 blocks each with its tree room, and no prefix shared (no block held twice)
+    prompts = {sid: list(range(i, i + 30)) for i, sid in enumerate("abc")}
     for sid in ("a", "b"):
-        runner.verify([VerifyCall(sid, 0, prompt, TokenTree.empty(), GREEDY)])
-    (outcome,) = runner.verify([VerifyCall("c", 0, prompt, TokenTree.empty(), GREEDY)])
+        runner.verify([VerifyCall(sid, 0, prompts[sid], TokenTree.empty(), GREEDY)])
+    (outcome,) = runner.verify([VerifyCall("c", 0, prompts["c"], TokenTree.empty(), GREEDY)])
     assert not isinstance(outcome, Exception)
     assert list(runner.table.sessions) == ["b", "c"] and runner.table.evictions == 1
     (busy,) = runner.verify([VerifyCall("d", 0, list(range(1, 70)), TokenTree.empty(), GREEDY)])

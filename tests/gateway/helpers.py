@@ -65,15 +65,24 @@ def write_tiny_model(path: Path, seed: int = 0, noise: float = 0.0) -> Path:
     return path
 
 
-def load_engine(path: Path, slots: int = 4, dtype: str = "float32") -> Engine:
-    config = EngineConfig(model=str(path), max_sessions=slots, max_seq_len=256, dtype=dtype)
+def load_engine(
+    path: Path, slots: int = 4, dtype: str = "float32", prefix_caching: bool = True
+) -> Engine:
+    config = EngineConfig(
+        model=str(path), max_sessions=slots, max_seq_len=256, dtype=dtype,
+        prefix_caching=prefix_caching,
+    )  # fmt: skip
     return Engine.load(config)
 
 
 def target(
-    path: Path, address: str = "t0", slots: int = 4, dtype: str = "float32"
+    path: Path,
+    address: str = "t0",
+    slots: int = 4,
+    dtype: str = "float32",
+    prefix_caching: bool = True,
 ) -> InProcessTarget:
-    engine = load_engine(path, slots, dtype)
+    engine = load_engine(path, slots, dtype, prefix_caching)
     return InProcessTarget(address, TargetRunner(engine, SessionTable(slots)))
 
 

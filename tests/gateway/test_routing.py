@@ -14,6 +14,7 @@ from gateway.metrics import Metrics
 from gateway.pool import Pool, resolve_address
 from tests.gateway.helpers import (
     MODEL,
+    WORDS,
     live,
     model_draft,
     slow_target,
@@ -204,6 +205,34 @@ def test_conversation_affinity_reuses_the_cached_prefix(tiny_dir):
         assert hits[0] == 0 and hits[1] > 0 and hits[2] > hits[1]
         assert holders[0] == holders[1] == holders[2] and len(holders[0]) == 1
         assert "specsplit_prefix_cache_hits_total 2.0" in httpx.get(gateway.url + "/metrics").text
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=7)])
+def test_a_shared_system_prompt_is_prefilled_once(tiny_dir, sampling):
+    """Two conversations open with the same 40-word system prompt: the second finds its
+    blocks cached on the worker, and both replies equal those of a worker without prefix
+    caching."""
+    system = {"role": "system", "content": " ".join(WORDS[i % 30] for i in range(40))}
+    replies, hits, metrics = {}, {}, {}
+    for caching in (True, False):
+        with live(tiny_dir, [target(tiny_dir, prefix_caching=caching)]) as gateway:
+            turns = [
+                client_of(gateway).chat.completions.create(
+                    model=MODEL,
+                    messages=[system, {"role": "user", "content": question}],
+                    max_tokens=8,
+                    extra_body={"speculation_stats": True},
+                    **sampling,
+                )
+                for question in ("one two", "red blue green")
+            ]
+            metrics[caching] = httpx.get(gateway.url + "/metrics").text
+        replies[caching] = [t.choices[0].message.content for t in turns]
+        hits[caching] = [t.model_extra["speculation_stats"]["prefix_hit_tokens"] for t in turns]
+    assert hits[True][0] == 0 and hits[True][1] >= 32 and hits[False] == [0, 0]
+    assert replies[True] == replies[False]
+    assert "specsplit_prefix_cache_hits_total 1.0" in metrics[True]
+    assert "specsplit_prefix_cache_hits_total 0.0" in metrics[False]
 
 
 def test_a_conversation_id_is_scoped_to_its_api_key(tiny_dir):

@@ -31,6 +31,8 @@ METRICS = [
     "specsplit_worker_queue_seconds",
     "specsplit_worker_live_sessions",
     "specsplit_worker_evictions_total",
+    "specsplit_worker_prompt_tokens_total",
+    "specsplit_worker_prefix_cache_tokens",
     "specsplit_worker_requests_total",
 ]
 
@@ -115,6 +117,17 @@ async def test_info_and_metric_names():
         assert codes[("Verify", "OK")] == 1
         assert codes[("Verify", "NOT_FOUND")] == codes[("Verify", "UNAVAILABLE")] == 0
         assert metrics["specsplit_worker_evictions_total"] == [({"role": "target"}, 0.0)]
+
+
+async def test_a_shared_prompt_prefix_is_counted_in_the_metrics():
+    prompt = list(range(3, 43))  # two full blocks of 16 are shared; the last token is fed again
+    async with target_worker(tiny_engine(seed=0, slots=3)) as (server, target):
+        for sid in ("a", "b"):
+            await target.verify(VerifyCall(sid, 0, prompt, TokenTree.empty(), SamplingParams()))
+        metrics = scrape(server)
+    tokens = {labels["source"]: v for labels, v in metrics["specsplit_worker_prompt_tokens_total"]}
+    assert tokens == {"sent": 80, "cached": 32}
+    assert metrics["specsplit_worker_prefix_cache_tokens"] == [({"role": "target"}, 32.0)]
 
 
 def test_a_worker_dies_with_its_parent():

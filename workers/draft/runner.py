@@ -48,7 +48,7 @@ class Expansion:
     features: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-def absorb(engine: Engine, session: Session) -> None:
+def absorb(engine: Engine, table: SessionTable, session: Session) -> None:
     """Keeps the cached part of last round's region that lies on the committed path."""
     keep: list[int] = []
     node = -1
@@ -63,7 +63,7 @@ def absorb(engine: Engine, session: Session) -> None:
         keep.append(node)
     if keep:
         engine.commit(session.slot, session.cached, keep)
-        session.cached += len(keep)
+        table.advance(session, len(keep))
     session.region_tokens, session.region_parents, session.region_fed = [], [], 0
 
 
@@ -98,7 +98,7 @@ class ModelDrafter:
     def start(self, call: ProposeCall, session: Session, busy: set[str]) -> Expansion | None:
         """The session's expansion, or None when no tree is wanted."""
         if session.cached == len(session.committed):  # the root must be fed for its logits
-            session.cached -= 1
+            self.table.rewind(session, session.cached - 1)
         spec = call.spec
         depth = min(spec.depth, self.engine.context_length - len(session.committed) - 1)
         if depth <= 0 or spec.budget == 0:
@@ -139,7 +139,7 @@ class ModelDrafter:
         while active or chunks:
             logits = self.forward([x for _, x in active], [(calls[i], r) for i, _, r in chunks])
             for i, session, row in chunks:
-                session.cached += len(row.tokens)
+                self.table.advance(session, len(row.tokens))
                 results[i] = UNFINISHED
             chunks = []
             still = []
@@ -160,7 +160,7 @@ class ModelDrafter:
 
     def reuse(self, session: Session) -> None:
         """Keeps what last round's region has on the committed path."""
-        absorb(self.engine, session)
+        absorb(self.engine, self.table, session)
 
     def forward(
         self, expansions: list[Expansion], chunks: list[tuple[ProposeCall, SlotInput]]

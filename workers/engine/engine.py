@@ -45,6 +45,9 @@ class EngineConfig:
     # "compiled" (workers/engine/paged_attention.py), "chunked" (workers/engine/attention.py),
     # or "auto": compiled where it can serve (a CPU, float32 or bfloat16, a C compiler)
     attention: str = "auto"
+    # share full KV blocks between sessions by their tokens (workers/engine/prefix_cache.py);
+    # never for an EAGLE head, whose keys and values also depend on the states it is fed
+    prefix_caching: bool = True
     cache_dir: Path | None = None  # model cache; None = $SPECSPLIT_MODEL_CACHE or ~/.cache
 
 
@@ -109,6 +112,7 @@ class Engine:
             dtype=dtype,
             device=config.device,
             block_size=config.kv_block_size,
+            share_prefixes=config.prefix_caching and fuse is None,
         )
         return cls(model, tokenizer, cache, model_id, context, torch.device(config.device))
 

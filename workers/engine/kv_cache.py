@@ -17,6 +17,13 @@ masked. Rejected speculation needs no undo: committing keeps the accepted
 entries (moved to contiguous columns) and whatever lies beyond the committed
 length is overwritten by the next forward (gpt-fast's trick).
 
+With `share_prefixes`, full blocks of committed tokens are shared between
+sessions by their tokens (workers/engine/prefix_cache.py): `publish` offers
+a slot's, `adopt` points a starting slot at those matching its history, and
+a block stays cached after its last slot returns it, until the pool needs
+it. A slot writes only into blocks it holds alone and has not published:
+`rewind` keeps that true when a slot's cached length goes back.
+
 The pool is allocated empty (`torch.empty`): a block costs resident memory
 only once a session has written to it.
 
@@ -30,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from workers.engine.prefix_cache import ROOT, PrefixIndex, chain, digests
 from workers.protocol.errors import WorkerBusy
 
 if TYPE_CHECKING:
@@ -54,6 +62,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         block_size: int = 16,
+        share_prefixes: bool = False,
     ):
         self.max_seq_len = max_seq_len  # most cache columns per slot (context + tree room)
         self.num_slots = num_slots
@@ -69,6 +78,10 @@ class PagedKVCache:
         self.tables = torch.full((num_slots, self.max_blocks), NULL_BLOCK, dtype=torch.long)
         self.held = [0] * num_slots  # blocks each slot holds
         self.free = list(range(self.num_blocks - 1, NULL_BLOCK, -1))  # popped lowest first
+        self.refs = [0] * self.num_blocks  # slots holding each block
+        self.prefixes = PrefixIndex() if share_prefixes else None
+        # each slot's leading full blocks' digests, as far as `publish` or `adopt` went
+        self.chains: list[list[bytes]] = [[] for _ in range(num_slots)]
 
     @property
     def capacity_tokens(self) -> int:
@@ -76,36 +89,108 @@ class PagedKVCache:
         return (self.num_blocks - 1) * self.block_size
 
     @property
+    def available(self) -> int:
+        """Blocks a slot can take: the free ones and the cached ones no slot holds."""
+        return len(self.free) + (len(self.prefixes.idle) if self.prefixes is not None else 0)
+
+    @property
     def used_tokens(self) -> int:
         """Positions in blocks held by slots now."""
-        return sum(self.held) * self.block_size
+        return (self.num_blocks - 1 - self.available) * self.block_size
+
+    @property
+    def cached_tokens(self) -> int:
+        """Positions in published blocks, held or idle."""
+        return len(self.prefixes) * self.block_size if self.prefixes is not None else 0
 
     def blocks_for(self, slot: int, length: int) -> int:
         """More blocks the slot needs to hold `length` columns."""
         return max(0, -(-length // self.block_size) - self.held[slot])
 
     def reserve(self, slot: int, length: int) -> None:
-        """Gives the slot blocks for columns [0, length); raises OutOfBlocks if too few are free."""
+        """Gives the slot blocks for columns [0, length); raises OutOfBlocks if too few are
+        free (idle cached blocks count as free: the least recently released go first)."""
         needed = self.blocks_for(slot, length)
-        if needed > len(self.free):
+        if needed > self.available:
             raise OutOfBlocks(
-                f"the KV cache has {len(self.free)} free blocks of {self.block_size} tokens, "
+                f"the KV cache has {self.available} free blocks of {self.block_size} tokens, "
                 f"a session needs {needed}"
             )
         for _ in range(needed):
-            self.tables[slot, self.held[slot]] = self.free.pop()
-            self.held[slot] += 1
+            block = self.free.pop() if self.free else self.prefixes.reclaim()
+            self.hold(slot, block)
+
+    def hold(self, slot: int, block: int) -> None:
+        """Appends a block to the slot's table."""
+        if self.prefixes is not None:
+            self.prefixes.idle.pop(block, None)
+        self.refs[block] += 1
+        self.tables[slot, self.held[slot]] = block
+        self.held[slot] += 1
 
     def trim(self, slot: int, length: int) -> None:
         """Returns the slot's blocks past column `length`."""
         keep = -(-length // self.block_size)
+        del self.chains[slot][length // self.block_size :]
         while self.held[slot] > keep:
             self.held[slot] -= 1
-            self.free.append(int(self.tables[slot, self.held[slot]]))
+            block = int(self.tables[slot, self.held[slot]])
             self.tables[slot, self.held[slot]] = NULL_BLOCK
+            self.refs[block] -= 1
+            if self.refs[block]:
+                continue
+            if self.prefixes is not None and self.prefixes.published(block):
+                self.prefixes.idle[block] = None
+            else:
+                self.free.append(block)
 
     def release(self, slot: int) -> None:
         self.trim(slot, 0)
+
+    def publish(self, slot: int, tokens: list[int], length: int) -> None:
+        """Publishes the slot's full blocks within its first `length` columns, which hold
+        the keys and values of `tokens[:length]`."""
+        if self.prefixes is None:
+            return
+        known = self.chains[slot]
+        size = self.block_size
+        for block in range(len(known), length // size):
+            block_tokens = tokens[block * size : (block + 1) * size]
+            known.append(chain(known[-1] if known else ROOT, block_tokens))
+            self.prefixes.publish(known[-1], int(self.tables[slot, block]))
+
+    def adopt(self, slot: int, tokens: list[int], hit: int) -> int:
+        """Starts the slot over `tokens`, keeping the first `hit` columns it holds, or instead
+        taking the longest run of published blocks holding a prefix of `tokens[:-1]` where
+        that is longer; returns the columns cached."""
+        found: list[tuple[bytes, int]] = []
+        if self.prefixes is not None:
+            for digest in digests(tokens[:-1], self.block_size):
+                block = self.prefixes.blocks.get(digest)
+                if block is None:
+                    break
+                found.append((digest, block))
+        if len(found) * self.block_size <= hit:
+            return self.rewind(slot, hit)
+        self.release(slot)
+        for digest, block in found:
+            self.hold(slot, block)
+            self.chains[slot].append(digest)
+        return len(found) * self.block_size
+
+    def rewind(self, slot: int, length: int) -> int:
+        """Cuts the slot back to its first `length` columns, to be written past them; returns
+        the columns it keeps: fewer, back to a block boundary, where column `length` lies in a
+        block another slot holds too."""
+        self.trim(slot, length)
+        if self.prefixes is not None and length % self.block_size:
+            block = int(self.tables[slot, length // self.block_size])
+            if self.refs[block] > 1:
+                length -= length % self.block_size
+                self.trim(slot, length)
+            else:
+                self.prefixes.withdraw(block)
+        return length
 
     def positions(self, slot: int, columns: torch.Tensor) -> torch.Tensor:
         """Pool positions of a slot's cache columns (K,) -> (K,) long."""

@@ -13,7 +13,10 @@ least-recently-used eviction when a new session needs a slot. Over a model's
 paged KV cache (`attach`), a slot is only a block table: `reserve` gives a
 session the blocks its next forward writes, and when too few are free it
 evicts the least recently used sessions outside the batch (preemption by
-recompute, as vLLM does: they re-send their history) until they are.
+recompute, as vLLM does: they re-send their history) until they are. Where
+the cache shares prefixes, a (re)starting session takes the longest run of
+published blocks holding its history when that beats its own slot's, and
+`advance` publishes the full blocks a session has cached.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ class SessionTable:
         self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self.free = list(range(num_slots))
         self.evictions = 0
+        self.restart_tokens = 0  # history tokens sessions (re)started from
+        self.hit_tokens = 0  # of those, tokens already cached
         self.cache: PagedKVCache | None = None  # the KV blocks behind the slots (attach)
 
     def attach(self, cache: PagedKVCache) -> None:
@@ -101,7 +106,7 @@ class SessionTable:
         if rollback and len(session.committed) > base_len:
             del session.committed[base_len:]
             if session.cached > base_len:  # the cached region no longer lines up
-                session.cached = base_len
+                self.rewind(session, base_len)
                 session.region_tokens, session.region_parents, session.region_fed = [], [], 0
         if len(session.committed) != base_len:
             raise SessionLost(
@@ -121,7 +126,11 @@ class SessionTable:
             self.sessions[session_id] = session
         hit = common_prefix(session.committed[: session.cached], history)
         hit = min(hit, len(history) - 1)  # the last token is fed again for its logits
+        if self.cache is not None:
+            hit = self.cache.adopt(session.slot, history, hit)
         session.committed, session.cached = list(history), hit
+        self.restart_tokens += len(history)
+        self.hit_tokens += hit
         session.region_tokens, session.region_parents, session.region_fed = [], [], 0
         self.touch(session)
         return SyncResult(session, hit)
@@ -157,6 +166,18 @@ class SessionTable:
                     raise
                 self.end(victim.id)
                 self.evictions += 1
+
+    def advance(self, session: Session, n: int) -> None:
+        """Counts `n` more of the session's committed tokens as cached, and publishes the full
+        blocks they complete where the cache shares prefixes."""
+        session.cached += n
+        if self.cache is not None:
+            self.cache.publish(session.slot, session.committed, session.cached)
+
+    def rewind(self, session: Session, length: int) -> None:
+        """Sets the session's cached length back to `length` or, where its KV blocks are
+        shared at that point (workers/engine/kv_cache.py), to the block boundary before."""
+        session.cached = length if self.cache is None else self.cache.rewind(session.slot, length)
 
     def touch(self, session: Session) -> None:
         session.last_used = self.clock()

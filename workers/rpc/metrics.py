@@ -36,7 +36,8 @@ SECOND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 
 
 class SessionCollector(Collector):
-    """Live sessions and LRU evictions, read from the session table at scrape time."""
+    """Live sessions, LRU evictions and prefix cache hits, read from the session table at
+    scrape time."""
 
     def __init__(self, role: str, table: SessionTable):
         self.role = role
@@ -53,7 +54,21 @@ class SessionCollector(Collector):
             labels=["role"],
         )
         evictions.add_metric([self.role], self.table.evictions)
-        return [live, evictions]
+        prompts = CounterMetricFamily(
+            "specsplit_worker_prompt_tokens",
+            "History tokens sessions (re)started from, and of those, tokens found cached",
+            labels=["role", "source"],
+        )
+        prompts.add_metric([self.role, "sent"], self.table.restart_tokens)
+        prompts.add_metric([self.role, "cached"], self.table.hit_tokens)
+        cache = self.table.cache
+        cached = GaugeMetricFamily(
+            "specsplit_worker_prefix_cache_tokens",
+            "KV positions in blocks shared by prefix (held by sessions or idle)",
+            labels=["role"],
+        )
+        cached.add_metric([self.role], 0 if cache is None else cache.cached_tokens)
+        return [live, evictions, prompts, cached]
 
 
 class WorkerMetrics:

@@ -116,7 +116,7 @@ class TargetRunner:
         synced = self.table.sync(call.session_id, call.base_len, call.tokens, busy)
         session = synced.session
         if session.cached == len(session.committed):  # the root must be fed for its logits
-            session.cached -= 1
+            self.table.rewind(session, session.cached - 1)
         return session, synced.prefix_hit
 
     def verify(self, calls: list[VerifyCall]) -> list[VerifyOutcome | Unfinished | Exception]:
@@ -138,7 +138,7 @@ class TargetRunner:
             out = self.engine.run([p.row for _, p in prepared])
             for (i, p), logits, hidden in zip(prepared, out.logits, out.hidden, strict=True):
                 if p.chunk:
-                    p.session.cached += len(p.row.tokens)
+                    self.table.advance(p.session, len(p.row.tokens))
                     results[i] = UNFINISHED
                 else:
                     results[i] = self.finish(p, logits, hidden)
@@ -155,8 +155,8 @@ class TargetRunner:
         keep = list(range(pending)) + [pending + a for a in verdict.accepted]
         self.engine.commit(session.slot, session.cached, keep)
         emitted = [int(call.tree.tokens[a]) for a in verdict.accepted] + [verdict.bonus]
-        session.cached += len(keep)
         session.committed.extend(emitted)
+        self.table.advance(session, len(keep))
         rows = [0] + [1 + a for a in verdict.accepted]
         logprobs = None
         if call.num_logprobs >= 0:
