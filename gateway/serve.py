@@ -90,6 +90,10 @@ class ServeSettings(GatewayOptions, EngineOptions):
         ge=0,
         description="tokens of a long prompt a target prefills per batch; 0 = all at once",
     )
+    worker_prefix_caching: bool = Field(
+        WorkerSettings.model_fields["prefix_caching"].default,
+        description="workers share the KV blocks of a common prompt prefix between sessions",
+    )
     state_file: Path | None = Field(
         None, description="write the gateway URL and workers' addresses and pids here (JSON)"
     )
@@ -157,7 +161,8 @@ def start_worker(
     worker = WorkerSettings(
         role=role, host="127.0.0.1", port=port, model=model, metrics_port=0, health_port=0,
         max_sessions=s.worker_max_sessions, kv_tokens=s.worker_kv_tokens,
-        prefill_chunk=s.worker_prefill_chunk, drain_s=0.0,  # the gateway stops first
+        prefill_chunk=s.worker_prefill_chunk, prefix_caching=s.worker_prefix_caching,
+        drain_s=0.0,  # the gateway stops first
         parent_pid=os.getpid(),
         **engine, **channel(tls, WORKER_FILES),
     )  # fmt: skip

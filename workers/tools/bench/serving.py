@@ -41,8 +41,12 @@ class ServeConfig:
     adaptive: bool = False  # adaptive trees (gateway.adaptive)
     overlap: bool = False  # the overlapped loop (gateway.overlap)
     hybrid: bool = False  # the model draft's trees merged with the gateway's n-gram draft
+    prefix_caching: bool = True  # the workers share KV blocks of common prompt prefixes
 
     def describe(self) -> str:
+        return self.speculation() + ("" if self.prefix_caching else ", no prefix caching")
+
+    def speculation(self) -> str:
         if self.draft == "none":
             return "speculation off"
         shape = (
@@ -144,6 +148,8 @@ class Serve(ServeProcess):
         args += ["--overlap-draft" if config.overlap else "--no-overlap-draft"]
         args += ["--hybrid-draft" if config.hybrid else "--no-hybrid-draft"]
         args += ["--adaptive-knee-tokens", str(knee_tokens)]
+        if not config.prefix_caching:
+            args += ["--no-worker-prefix-caching"]
         env = dict(os.environ)
         if worker_threads > 0:  # the workers' torch threads (the gateway barely uses torch)
             env["OMP_NUM_THREADS"] = str(worker_threads)

@@ -5,6 +5,7 @@ Rows (pick with --rows):
   hf-assisted           transformers assisted generation, `assistant_model=` the model draft
   hf-prompt-lookup      transformers prompt lookup, `prompt_lookup_num_tokens=10`
   off                   SpecSplit over HTTP + gRPC, speculation off (draft none)
+  off-no-prefix-cache   the same with the workers' prefix caching off
   ngram-chain           n-gram draft, a chain (branching 1), fixed size
   ngram-tree            n-gram draft, a tree with the chain's node budget, fixed size
   ngram-tree-adaptive   the same tree, adaptive (the default configuration)
@@ -15,8 +16,12 @@ Rows (pick with --rows):
   hybrid                model draft merged with the n-gram draft each round (--hybrid-draft),
                         adaptive, the n-gram rows' depth and budget, the model rows' branching
 
-Every SpecSplit row starts its own `specsplit serve` and sends it streaming
-chat completions with httpx. Workloads: `grounded` (rewrite/edit/summarise a
+Every SpecSplit row starts a `specsplit serve` of its own for each point it
+measures (a workload at some streams), so that no point finds another's
+prompts in the workers' prefix caches; a warm-up request outside the
+workloads (which caches the chat template's system prompt, as any earlier
+request would) goes first. It sends streaming chat completions with httpx.
+Workloads: `grounded` (rewrite/edit/summarise a
 text in the prompt) and `humaneval` (the first --humaneval problems). One
 stream runs each workload's prompts one after the other; the sweep runs the
 --sweep-rows at each of --streams concurrent streams on the grounded prompts.
@@ -51,7 +56,7 @@ from workers.tools.bench.serving import (
     phase_buckets,
     run_streams,
 )
-from workers.tools.bench.workloads import messages
+from workers.tools.bench.workloads import WARM_UP, messages
 
 HF_ROWS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
 
@@ -100,6 +105,7 @@ def serve_configs(s: BenchSettings) -> dict[str, ServeConfig]:
     md, mk, mb = s.model_depth, s.model_branching, s.model_budget
     configs = [
         ServeConfig("off", "none"),
+        ServeConfig("off-no-prefix-cache", "none", prefix_caching=False),
         ServeConfig("ngram-chain", "ngram", nb, 1, nb),
         ServeConfig("ngram-tree", "ngram", nd, 2, nb),
         ServeConfig("ngram-tree-adaptive", "ngram", nd, 2, nb, adaptive=True),
@@ -227,43 +233,40 @@ def run_serve(run: Run, config: ServeConfig, workloads, draft_dir, tokenizer) ->
     sweep = config.name in s.names(s.sweep_rows)
     streams = [int(n) for n in s.names(s.streams)]
     most = max(streams) if sweep else 1
-    threads = s.worker_threads
-    with Serve(config, s.target_model, draft_dir, max(8, most), s.knee_tokens, threads) as serve:
+    points = [(workload, 1) for workload in workloads]
+    if sweep and s.sweep_workload in workloads:  # one stream is the point measured above
+        points += [(s.sweep_workload, n) for n in streams if n != 1]
+    sessions = max(8, most)
+    for workload, n in points:
+        with Serve(
+            config, s.target_model, draft_dir, sessions, s.knee_tokens, s.worker_threads
+        ) as serve:
+            asyncio.run(run_streams(serve.url, [WARM_UP], 1, 1, 8, count_tokens))
+            measure(run, serve, config, workload, n, workloads[workload], count_tokens)
 
-        def measure(workload: str, n: int) -> Result:
-            conversations = workloads[workload]
-            per_stream = max(1, math.ceil(len(conversations) / n))
-            before = phase_buckets(serve.url)
-            timed, wall = asyncio.run(
-                run_streams(serve.url, conversations, n, per_stream, s.max_tokens, count_tokens)
-            )
-            phases = bucket_delta(phase_buckets(serve.url), before)
-            p50 = {
-                phase: _ms(histogram_quantile(buckets, 0.5)) for phase, buckets in phases.items()
-            }
-            result = Result(
-                config.name,
-                config.describe(),
-                workload,
-                n,
-                Figures.of(timed, wall),
-                run.check(workload, timed),
-                p50,
-                load_average()[0],
-            )
-            run.results.append(result)
-            print(report.progress(result), flush=True)
-            return result
 
-        asyncio.run(  # warm-up: first forwards, connections
-            run_streams(serve.url, [workloads[next(iter(workloads))][0]], 1, 1, 8, count_tokens)
-        )
-        for workload in workloads:
-            measure(workload, 1)
-        if sweep and s.sweep_workload in workloads:
-            for n in streams:
-                if n != 1:  # one stream is the row measured above
-                    measure(s.sweep_workload, n)
+def measure(run: Run, serve: Serve, config, workload: str, n: int, conversations, count_tokens):
+    """Sends the workload's conversations over `n` streams; records and prints the result."""
+    s = run.settings
+    per_stream = max(1, math.ceil(len(conversations) / n))
+    before = phase_buckets(serve.url)
+    timed, wall = asyncio.run(
+        run_streams(serve.url, conversations, n, per_stream, s.max_tokens, count_tokens)
+    )
+    phases = bucket_delta(phase_buckets(serve.url), before)
+    p50 = {phase: _ms(histogram_quantile(buckets, 0.5)) for phase, buckets in phases.items()}
+    result = Result(
+        config.name,
+        config.describe(),
+        workload,
+        n,
+        Figures.of(timed, wall),
+        run.check(workload, timed),
+        p50,
+        load_average()[0],
+    )
+    run.results.append(result)
+    print(report.progress(result), flush=True)
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -93,6 +93,10 @@ def chat_messages(n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": CHAT[i % len(CHAT)]}] for i in range(n)]
 
 
+# a serve's first request, outside every workload: the first forwards, and the chat
+# template's system prompt in the prefix cache, as any earlier request would leave it
+WARM_UP = [{"role": "user", "content": "Say hello."}]
+
 WORKLOADS = {
     "grounded": grounded_messages,
     "humaneval": humaneval_messages,
