@@ -19,12 +19,14 @@ Rows (pick with --rows):
 Every SpecSplit row starts a `specsplit serve` of its own for each point it
 measures (a workload at some streams), so that no point finds another's
 prompts in the workers' prefix caches; a warm-up request outside the
-workloads (which caches the chat template's system prompt, as any earlier
-request would) goes first. It sends streaming chat completions with httpx.
-Workloads: `grounded` (rewrite/edit/summarise a
-text in the prompt) and `humaneval` (the first --humaneval problems). One
-stream runs each workload's prompts one after the other; the sweep runs the
---sweep-rows at each of --streams concurrent streams on the grounded prompts.
+workload, with its system prompt (`workloads.warm_up`), goes first, leaving
+that system prompt cached as any earlier request of a deployment would. It
+sends streaming chat completions with httpx. Workloads (workloads.py):
+`grounded` (rewrite/edit/summarise a text in the prompt), `humaneval` (the
+first --humaneval problems), `chat` and `shared-system` (chat after one long
+system prompt). One stream runs each workload's prompts one after the other;
+the sweep runs the --sweep-rows at each of --streams concurrent streams on
+--sweep-workload.
 Greedy everywhere, and every row's text is checked against
 `hf-generate`'s (or, without it, the first row's).
 
@@ -56,7 +58,7 @@ from workers.tools.bench.serving import (
     phase_buckets,
     run_streams,
 )
-from workers.tools.bench.workloads import WARM_UP, messages
+from workers.tools.bench.workloads import messages, warm_up
 
 HF_ROWS = ("hf-generate", "hf-assisted", "hf-prompt-lookup")
 
@@ -241,7 +243,8 @@ def run_serve(run: Run, config: ServeConfig, workloads, draft_dir, tokenizer) ->
         with Serve(
             config, s.target_model, draft_dir, sessions, s.knee_tokens, s.worker_threads
         ) as serve:
-            asyncio.run(run_streams(serve.url, [WARM_UP], 1, 1, 8, count_tokens))
+            greeting = warm_up(workloads[workload])
+            asyncio.run(run_streams(serve.url, [greeting], 1, 1, 8, count_tokens))
             measure(run, serve, config, workload, n, workloads[workload], count_tokens)
 
 

@@ -7,6 +7,9 @@
   input (what prompt lookup and n-gram trees are for).
 - `chat`: everyday questions whose answers copy little of the prompt (where
   an n-gram draft is rarely right and speculation must not cost).
+- `shared-system`: the `chat` questions after one long system prompt (the
+  grounded texts as reference notes) every request repeats, as an assistant
+  with a fixed preamble or a RAG context sends it: what prefix caching is for.
 """
 
 from __future__ import annotations
@@ -93,14 +96,30 @@ def chat_messages(n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": CHAT[i % len(CHAT)]}] for i in range(n)]
 
 
-# a serve's first request, outside every workload: the first forwards, and the chat
-# template's system prompt in the prefix cache, as any earlier request would leave it
-WARM_UP = [{"role": "user", "content": "Say hello."}]
+SYSTEM = (
+    "You are the help desk of a small seaside town. Answer the visitor's question in a few "
+    "friendly sentences. These notes describe the town:\n\n" + "\n\n".join(TEXTS)
+)
+
+
+def shared_system_messages(n: int) -> list[list[dict]]:
+    """The `chat` questions, each after the same long system prompt."""
+    return [[{"role": "system", "content": SYSTEM}, *m] for m in chat_messages(n)]
+
+
+def warm_up(conversations: list[list[dict]]) -> list[dict]:
+    """A serve's first request, outside the workload: its system prompt (the chat template's
+    default where it has none) then a greeting. It leaves the first forwards done and the
+    system prompt in the workers' prefix cache, as any earlier request of a deployment would."""
+    system = [m for m in conversations[0] if m["role"] == "system"]
+    return [*system, {"role": "user", "content": "Say hello."}]
+
 
 WORKLOADS = {
     "grounded": grounded_messages,
     "humaneval": humaneval_messages,
     "chat": chat_messages,
+    "shared-system": shared_system_messages,
 }
 
 
