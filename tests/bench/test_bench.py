@@ -10,7 +10,7 @@ from workers.tools.bench import report
 from workers.tools.bench.measure import Figures, Timed, histogram_quantile, percentile
 from workers.tools.bench.serving import ServeConfig, spread_tokens
 from workers.tools.bench.suite import BenchSettings, Result, Run, serve_configs
-from workers.tools.bench.workloads import messages
+from workers.tools.bench.workloads import WORKLOADS, messages, warm_up
 
 
 def timed(start: float, chunks: list[tuple[float, int]], stats: dict | None = None) -> Timed:
@@ -58,6 +58,13 @@ def test_workloads():
     assert "Repeat this text exactly" in grounded[0][0]["content"]
     humaneval = messages("humaneval", 3)
     assert len(humaneval) == 3 and "def " in humaneval[0][0]["content"]
+    shared = messages("shared-system", 3)
+    assert shared[0][0] == shared[2][0] and shared[0][0]["role"] == "system"
+    assert shared[0][1] != shared[1][1]
+    assert warm_up(shared) == [shared[0][0], {"role": "user", "content": "Say hello."}]
+    assert warm_up(grounded) == [{"role": "user", "content": "Say hello."}]
+    for workload in WORKLOADS:  # every workload is described in the report's header
+        assert report.workloads(BenchSettings(workloads=workload))
     with pytest.raises(ValueError):
         messages("nope", 1)
 
@@ -65,6 +72,7 @@ def test_workloads():
 def test_rows_describe_their_configuration():
     configs = serve_configs(BenchSettings())
     assert configs["off"].describe() == "speculation off"
+    assert configs["off-no-prefix-cache"].describe() == "speculation off, no prefix caching"
     assert configs["ngram-chain"].branching == 1
     tree, chain = configs["ngram-tree"], configs["ngram-chain"]
     assert tree.budget == chain.budget  # the tree/chain comparison is at the same budget

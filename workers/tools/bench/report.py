@@ -156,6 +156,7 @@ def workloads(s) -> str:
         "grounded": f"{s.prompts} input-grounded prompts",
         "humaneval": f"the first {s.humaneval} HumanEval problems",
         "chat": f"{s.prompts} everyday chat questions",
+        "shared-system": f"{s.prompts} everyday chat questions after one long system prompt",
     }
     return ", ".join(described[w] for w in s.names(s.workloads))
 
