@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.engine.prefix_cache import ROOT, PrefixIndex, chain, digests
+from workers.engine.prefix_cache import ROOT, PrefixIndex, digests
 from workers.protocol.errors import WorkerBusy
 
 if TYPE_CHECKING:
@@ -152,12 +152,12 @@ class PagedKVCache:
         the keys and values of `tokens[:length]`."""
         if self.prefixes is None:
             return
-        known = self.chains[slot]
-        size = self.block_size
-        for block in range(len(known), length // size):
-            block_tokens = tokens[block * size : (block + 1) * size]
-            known.append(chain(known[-1] if known else ROOT, block_tokens))
-            self.prefixes.publish(known[-1], int(self.tables[slot, block]))
+        known, size = self.chains[slot], self.block_size
+        first = len(known)  # the first block not published yet
+        new = digests(tokens[first * size : length], size, known[-1] if known else ROOT)
+        for block, digest in enumerate(new, start=first):
+            self.prefixes.publish(digest, int(self.tables[slot, block]))
+        known += new
 
     def adopt(self, slot: int, tokens: list[int], hit: int) -> int:
         """Starts the slot over `tokens`, keeping the first `hit` columns it holds, or instead

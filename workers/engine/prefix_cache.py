@@ -38,7 +38,7 @@ def chain(parent: bytes, tokens: list[int]) -> bytes:
 
 
 def digests(tokens: list[int], block_size: int, start: bytes = ROOT) -> list[bytes]:
-    """The digest of each full block of `tokens`, in order."""
+    """The digest of each full block of `tokens`, in order, after the prefix `start` names."""
     out, parent = [], start
     for end in range(block_size, len(tokens) + 1, block_size):
         parent = chain(parent, tokens[end - block_size : end])
