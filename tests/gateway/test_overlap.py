@@ -97,7 +97,10 @@ def test_a_rolled_back_draft_proposes_as_if_it_never_guessed(kind):
 
 @pytest.fixture(scope="module")
 def replies(tiny_dir, tiny_draft_dir):
-    """Greedy replies with the overlapped loop off and on, model draft and n-gram draft."""
+    """Greedy replies with the overlapped loop off and on, model draft and n-gram draft.
+
+    The tree is the configured one (no adaptive shaping): adapted trees follow measured
+    round times, and which guesses come true would then vary with the machine's load."""
     prompts = ["one two three one two three one", "hello world , the cat sat on the mat"]
     out = {}
     for draft in ("model", "ngram"):
@@ -105,7 +108,7 @@ def replies(tiny_dir, tiny_draft_dir):
             backends = [target(tiny_dir)]
             if draft == "model":
                 backends.append(model_draft(tiny_draft_dir))
-            with live(tiny_dir, backends, overlap_draft=overlap) as gateway:
+            with live(tiny_dir, backends, overlap_draft=overlap, adaptive_tree=False) as gateway:
                 client = OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
                 texts, stats = [], []
                 for prompt in prompts:
