@@ -47,6 +47,7 @@ class GenerationRequest:
     provenance: bool = False  # each delta says where its tokens came from
     tenant: str | None = ""  # a hash of the request's API key ('' = none): its suffix cache;
     # None: this request neither reads nor feeds it (a seeded sample)
+    cache_salt: str = ""  # its workers share KV prefixes only with the same salt ('' = all)
 
     @property
     def choices(self) -> int:
@@ -69,6 +70,7 @@ class GenerationRequest:
             self.num_logprobs,
             self.control.acceptance,
             self.tenant,
+            self.cache_salt,
         )
 
 

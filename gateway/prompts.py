@@ -94,6 +94,7 @@ def generation_request(
     affinity: str | None,
     control: Control,
     tenant: str | None = "",
+    cache_salt: str = "",
 ) -> GenerationRequest:
     """Checks the request's limits against the server's and the context's."""
     if request.n > options.max_n:
@@ -137,4 +138,5 @@ def generation_request(
         affinity=affinity,
         provenance=bool(request.stream_options and request.stream_options.include_provenance),
         tenant=tenant,
+        cache_salt=cache_salt,
     )

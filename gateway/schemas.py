@@ -89,6 +89,8 @@ class SamplingFields(Strict):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     speculation_stats: bool = False  # extra body: this request's speculation counters
     speculation: SpeculationRequest | None = None  # extra body: how this request speculates
+    # extra body (vLLM's): cached prompt prefixes are shared only with the same salt
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     # known OpenAI parameters that this server does not build: refused when set
     logit_bias: dict[str, float] | None = None
     metadata: dict[str, Any] | None = None

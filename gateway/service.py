@@ -217,9 +217,12 @@ class Gateway:
         pools = self.router.draft_pools()
         default = next((m for m, p in pools.items() if p is self.router.drafts), "off")
         spec = control(body.speculation, s.tree_spec, default, set(pools), s.allow_lossy)
+        salt = s.cache_salt(tenant, body.cache_salt)
         if body.seed is not None and body.temperature != 0:
             tenant = None  # a seeded sample drafts from itself only: same seed, same text
-        return generation_request(body, prompts, s, context, frozenset(eos), affinity, spec, tenant)
+        return generation_request(
+            body, prompts, s, context, frozenset(eos), affinity, spec, tenant, salt
+        )
 
     async def respond(
         self, plan: GenerationRequest, fmt: Format, endpoint: str, stream: bool, request: Request

@@ -79,6 +79,12 @@ class GatewayOptions(BaseSettings):
     suffix_cache_tenants: int = Field(
         32, ge=1, description="API keys whose outputs the suffix cache holds (least recent out)"
     )
+    prefix_cache_scope: Literal["global", "tenant"] = Field(
+        "global",
+        description="which requests share the workers' cached prompt prefixes: global = all "
+        "(a request's cache_salt still sets it apart), tenant = only those of the same API key "
+        "(a cache hit is faster, so a shared cache lets one key learn what another sent)",
+    )
     health_interval_s: float = Field(2.0, gt=0, description="seconds between worker health checks")
     dns_refresh_s: float = Field(
         30.0, ge=0, description="seconds between re-resolving worker names; 0 = never"
@@ -107,6 +113,11 @@ class GatewayOptions(BaseSettings):
         if not self.suffix_cache_tokens:
             return None
         return SuffixCache(SuffixCacheConfig(self.suffix_cache_tokens, self.suffix_cache_tenants))
+
+    def cache_salt(self, tenant: str, requested: str | None) -> str:
+        """The workers' prefix-cache salt of a request of `tenant` that asked for `requested`."""
+        scope = tenant if self.prefix_cache_scope == "tenant" else ""
+        return "" if not scope and not requested else f"{scope}\n{requested or ''}"
 
     @property
     def model_name(self) -> str:

@@ -254,8 +254,9 @@ class Speculation(Loop):
         room = worker.max_tree_nodes or 255
         spec = replace(spec, depth=spec.depth + 1, budget=min(2 * budget + 1, room))
         held = self.draft.held
-        tenant = self.state.plan.tenant
-        call = ProposeCall(self.session_id, held, self.history[held:] + guess, spec, tenant)
+        plan = self.state.plan
+        tokens = self.history[held:] + guess
+        call = ProposeCall(self.session_id, held, tokens, spec, plan.tenant, None, plan.cache_salt)
         task = asyncio.get_running_loop().create_task(worker.backend.propose(call))
         self.lookahead = Lookahead(len(self.history), guess, held, budget, task)
 

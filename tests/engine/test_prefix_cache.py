@@ -146,7 +146,23 @@ def test_a_session_diverging_inside_a_shared_block_leaves_the_others_intact():
     assert rounds(runner, "a") == rounds(fresh, "a")
 
 
-def verify(runner: TargetRunner, sid: str, tokens: list[int], base: int = 0):
-    (outcome,) = runner.verify([VerifyCall(sid, base, tokens, TokenTree.empty(), GREEDY)])
+def test_sessions_share_prefixes_only_under_the_same_salt():
+    """A salted session adopts only blocks published under its salt, an unsalted one only
+    unsalted blocks; a session restarting under another salt keeps none of its own."""
+    prompt = list(range(3, 43))
+    runner = TargetRunner(engines(True, slots=6), SessionTable(6))
+    assert verify(runner, "a", prompt, salt="x").prefix_hit == 0
+    assert verify(runner, "b", prompt, salt="y").prefix_hit == 0
+    assert verify(runner, "c", prompt).prefix_hit == 0
+    assert verify(runner, "d", prompt, salt="x").prefix_hit == 32
+    assert verify(runner, "e", prompt).prefix_hit == 32
+    assert verify(runner, "a", prompt, salt="z").prefix_hit == 0
+    assert verify(runner, "a", prompt, salt="z").prefix_hit == 39  # its own slot, same salt
+    assert verify(runner, "f", prompt, salt="z").prefix_hit == 32
+
+
+def verify(runner: TargetRunner, sid: str, tokens: list[int], base: int = 0, salt: str = ""):
+    call = VerifyCall(sid, base, tokens, TokenTree.empty(), GREEDY, cache_salt=salt)
+    (outcome,) = runner.verify([call])
     assert not isinstance(outcome, Exception), outcome
     return outcome

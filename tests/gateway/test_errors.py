@@ -64,6 +64,9 @@ def test_unknown_model_is_404_model_not_found(client):
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"extra_body": {"min_p": 0.1}}, "min_p"),
+        ({"extra_body": {"cache_salt": ""}}, "cache_salt"),
+        ({"extra_body": {"cache_salt": "s" * 1025}}, "cache_salt"),
+        ({"extra_body": {"cache_salt": 7}}, "cache_salt"),
     ],
 )
 def test_bad_parameters_are_400_naming_the_parameter(client, kw, param):

@@ -235,6 +235,36 @@ def test_a_shared_system_prompt_is_prefilled_once(tiny_dir, sampling):
     assert "specsplit_prefix_cache_hits_total 0.0" in metrics[False]
 
 
+def test_cached_prefixes_are_shared_by_salt_and_by_scope(tiny_dir):
+    """Requests share cached prompt blocks only with the same cache_salt; with the tenant
+    scope, only with requests of the same API key (and salt)."""
+    system = {"role": "system", "content": " ".join(WORDS[i % 30] for i in range(40))}
+
+    def hit(gateway, key: str, **body) -> int:
+        client = OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=[system, {"role": "user", "content": "one two"}],
+            max_tokens=2,
+            temperature=0,
+            extra_body={"speculation_stats": True, **body},
+        )
+        return reply.model_extra["speculation_stats"]["prefix_hit_tokens"]
+
+    with live(tiny_dir, [target(tiny_dir)]) as gateway:  # the global scope
+        assert hit(gateway, "a", cache_salt="s1") == 0
+        assert hit(gateway, "b", cache_salt="s2") == 0
+        assert hit(gateway, "b", cache_salt="s1") >= 32  # another key, the same salt
+        assert hit(gateway, "a") == 0  # unsalted requests share only among themselves
+        assert hit(gateway, "b") >= 32
+    with live(tiny_dir, [target(tiny_dir)], prefix_cache_scope="tenant") as gateway:
+        assert hit(gateway, "a") == 0
+        assert hit(gateway, "b") == 0
+        assert hit(gateway, "a") >= 32
+        assert hit(gateway, "a", cache_salt="s1") == 0
+        assert hit(gateway, "a", cache_salt="s1") >= 32
+
+
 def test_a_conversation_id_is_scoped_to_its_api_key(tiny_dir):
     # another key sending the same X-Session-ID reuses none of the first key's worker sessions
     with live(tiny_dir, [target(tiny_dir, "t0")]) as gateway:

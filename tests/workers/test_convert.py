@@ -43,9 +43,10 @@ def test_trees_round_trip(tree):
 
 def test_verify_call_round_trips():
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3)
-    call = VerifyCall("s", 4, [1, 2], sampled_tree(), params, num_logprobs=2)
+    call = VerifyCall("s", 4, [1, 2], sampled_tree(), params, num_logprobs=2, cache_salt="k\n")
     back = convert.verify_call(convert.verify_request(call))
     assert (back.session_id, back.base_len, back.tokens) == ("s", 4, [1, 2])
+    assert back.cache_salt == "k\n"
     assert back.params == params and back.num_logprobs == 2
     assert same_tree(back.tree, call.tree)
     plain = convert.verify_call(
@@ -68,6 +69,8 @@ def test_propose_call_round_trips():
         "s", 0, [3, 1], TreeSpec(depth=5, branching=3, budget=12, temperature=0.5, seed=1)
     )
     assert convert.propose_call(convert.propose_request(call)) == call
+    salted = ProposeCall("s", 0, [3], TreeSpec(), cache_salt="tenant\nsalt")
+    assert convert.propose_call(convert.propose_request(salted)) == salted
 
 
 def test_outcome_round_trips():

@@ -82,7 +82,9 @@ class ModelDrafter:
             self.table.touch(session)
             return session
         check_tokens(call.tokens, self.engine.vocab_size)
-        synced = self.table.sync(call.session_id, call.base_len, call.tokens, busy, rollback=True)
+        synced = self.table.sync(
+            call.session_id, call.base_len, call.tokens, busy, True, call.cache_salt
+        )
         self.reuse(synced.session)
         return synced.session
 

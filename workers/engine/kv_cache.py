@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.engine.prefix_cache import ROOT, PrefixIndex, digests
+from workers.engine.prefix_cache import ROOT, PrefixIndex, digests, root
 from workers.protocol.errors import WorkerBusy
 
 if TYPE_CHECKING:
@@ -82,6 +82,7 @@ class PagedKVCache:
         self.prefixes = PrefixIndex() if share_prefixes else None
         # each slot's leading full blocks' digests, as far as `publish` or `adopt` went
         self.chains: list[list[bytes]] = [[] for _ in range(num_slots)]
+        self.roots = [ROOT] * num_slots  # the digest each slot's chain starts from (its salt)
 
     @property
     def capacity_tokens(self) -> int:
@@ -154,18 +155,20 @@ class PagedKVCache:
             return
         known, size = self.chains[slot], self.block_size
         first = len(known)  # the first block not published yet
-        new = digests(tokens[first * size : length], size, known[-1] if known else ROOT)
+        new = digests(tokens[first * size : length], size, known[-1] if known else self.roots[slot])
         for block, digest in enumerate(new, start=first):
             self.prefixes.publish(digest, int(self.tables[slot, block]))
         known += new
 
-    def adopt(self, slot: int, tokens: list[int], hit: int) -> int:
+    def adopt(self, slot: int, tokens: list[int], hit: int, salt: str = "") -> int:
         """Starts the slot over `tokens`, keeping the first `hit` columns it holds, or instead
-        taking the longest run of published blocks holding a prefix of `tokens[:-1]` where
-        that is longer; returns the columns cached."""
+        taking the longest run of published blocks holding a prefix of `tokens[:-1]` under
+        `salt` where that is longer; returns the columns cached. A slot whose salt changes
+        keeps none of its own (the caller passes `hit` 0)."""
         found: list[tuple[bytes, int]] = []
+        self.roots[slot] = root(salt)
         if self.prefixes is not None:
-            for digest in digests(tokens[:-1], self.block_size):
+            for digest in digests(tokens[:-1], self.block_size, self.roots[slot]):
                 block = self.prefixes.blocks.get(digest)
                 if block is None:
                     break

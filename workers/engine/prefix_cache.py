@@ -16,6 +16,12 @@ its shared head last.
 Digests are SHA-256 (as vLLM's option is): a crafted collision of a weaker
 hash would let one request read another's cache.
 
+A session's chain starts from the digest of its cache salt (`root`): the
+empty salt is the shared root, and sessions with different salts share no
+block. A hit is faster than a miss, so a shared cache tells one client
+whether another sent a prefix; the gateway salts by tenant or by request
+(`cache_salt`, as vLLM's) where clients must not learn that of each other.
+
 The cached keys and values are those this session would compute itself: the
 engine's float32 CPU forward rounds each row the same whatever rows share the
 batch (workers/engine/packed.py, tests/engine/test_batch_invariance.py), so a
@@ -29,7 +35,12 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-ROOT = b""  # the digest of the empty prefix
+ROOT = b""  # the digest of the empty prefix, unsalted
+
+
+def root(salt: str) -> bytes:
+    """The digest of the empty prefix under `salt` ('' = the shared ROOT)."""
+    return hashlib.sha256(b"salt\0" + salt.encode()).digest() if salt else ROOT
 
 
 def chain(parent: bytes, tokens: list[int]) -> bytes:

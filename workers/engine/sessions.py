@@ -15,8 +15,8 @@ session the blocks its next forward writes, and when too few are free it
 evicts the least recently used sessions outside the batch (preemption by
 recompute, as vLLM does: they re-send their history) until they are. Where
 the cache shares prefixes, a (re)starting session takes the longest run of
-published blocks holding its history when that beats its own slot's, and
-`advance` publishes the full blocks a session has cached.
+published blocks holding its history under its cache salt when that beats
+its own slot's, and `advance` publishes the full blocks a session has cached.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class Session:
     region_parents: list[int] = field(default_factory=list)  # its tree (-1 = after `cached`)
     region_fed: int = 0  # how many region tokens have keys/values in the cache
     last_used: float = 0.0
+    salt: str = ""  # its prefix-cache salt: it shares blocks only with the same salt
 
     @property
     def pending(self) -> list[int]:
@@ -93,6 +94,7 @@ class SessionTable:
         tokens: list[int],
         busy: set[str] = frozenset(),
         rollback: bool = False,
+        salt: str = "",
     ) -> SyncResult:
         """Brings a session up to `base_len` + `tokens`; see the module docstring.
 
@@ -101,7 +103,7 @@ class SessionTable:
         (the gateway's overlapped loop), and a draft cannot affect the output.
         """
         if base_len == 0:
-            return self.restart(session_id, tokens, busy)
+            return self.restart(session_id, tokens, busy, salt)
         session = self.get(session_id)
         if rollback and len(session.committed) > base_len:
             del session.committed[base_len:]
@@ -117,7 +119,9 @@ class SessionTable:
         self.touch(session)
         return SyncResult(session, 0)
 
-    def restart(self, session_id: str, history: list[int], busy: set[str]) -> SyncResult:
+    def restart(
+        self, session_id: str, history: list[int], busy: set[str], salt: str = ""
+    ) -> SyncResult:
         if not history:
             raise ValueError("a session cannot start from an empty history")
         session = self.sessions.get(session_id)
@@ -126,9 +130,11 @@ class SessionTable:
             self.sessions[session_id] = session
         hit = common_prefix(session.committed[: session.cached], history)
         hit = min(hit, len(history) - 1)  # the last token is fed again for its logits
+        if session.salt != salt:  # what it cached was under another salt: none of it is its
+            hit = 0
         if self.cache is not None:
-            hit = self.cache.adopt(session.slot, history, hit)
-        session.committed, session.cached = list(history), hit
+            hit = self.cache.adopt(session.slot, history, hit, salt)
+        session.committed, session.cached, session.salt = list(history), hit, salt
         self.restart_tokens += len(history)
         self.hit_tokens += hit
         session.region_tokens, session.region_parents, session.region_fed = [], [], 0

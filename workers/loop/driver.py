@@ -229,8 +229,10 @@ class Loop:
                 return TokenTree.empty(), False  # a feature draft waits for the target's states
             held = self.draft.held
             features = self.features if worker.feature_size else None
+            plan = self.state.plan
+            tokens = self.history[held:]
             call = ProposeCall(
-                self.session_id, held, self.history[held:], spec, self.state.plan.tenant, features
+                self.session_id, held, tokens, spec, plan.tenant, features, plan.cache_salt
             )
             try:
                 work = len(call.tokens) + spec.budget
@@ -268,6 +270,7 @@ class Loop:
                 plan.num_logprobs,
                 plan.acceptance,
                 wants_features,
+                plan.cache_salt,
             )
             try:
                 work = len(call.tokens) + len(tree)

@@ -29,6 +29,7 @@ class Plan:
     num_logprobs: int = -1  # -1: none; k >= 0: each token's logprob and top k
     acceptance: AcceptanceRule = EXACT  # lossy rules only when the request opted in
     tenant: str | None = ""  # whose request (see ProposeCall.tenant); '' = no API key
+    cache_salt: str = ""  # its workers share KV prefixes only with the same salt ('' = all)
 
     def __post_init__(self):
         if not self.prompt:

@@ -92,6 +92,7 @@ class ProposeCall:
     # Not sent over gRPC.
     tenant: str | None = ""
     features: Features | None = None  # a feature draft's input: the latest verify's states
+    cache_salt: str = ""  # its KV prefixes are shared only with calls of the same salt
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class VerifyCall:
     num_logprobs: int = -1  # -1: no logprobs; n >= 0: logprob of each emitted token + top n
     acceptance: AcceptanceRule = EXACT  # how draft tokens are accepted; only exact is lossless
     return_hidden: bool = False  # return the committed positions' hidden states (feature drafts)
+    cache_salt: str = ""  # its KV prefixes are shared only with calls of the same salt
 
 
 class Unfinished:

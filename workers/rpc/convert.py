@@ -187,13 +187,16 @@ def propose_request(call: ProposeCall) -> pb.ProposeRequest:
         tokens=call.tokens,
         policy=spec_to_proto(call.spec),
         **_features_field("hidden", call.features),
+        cache_salt=call.cache_salt,
     )
 
 
 def propose_call(msg: pb.ProposeRequest) -> ProposeCall:
     spec = spec_from_proto(msg.policy)
     features = _features(msg, "hidden")
-    return ProposeCall(_session_id(msg), msg.base_len, list(msg.tokens), spec, "", features)
+    return ProposeCall(
+        _session_id(msg), msg.base_len, list(msg.tokens), spec, "", features, msg.cache_salt
+    )
 
 
 def propose_response(tree: TokenTree, timings: Timings) -> pb.ProposeResponse:
@@ -213,6 +216,7 @@ def verify_request(call: VerifyCall) -> pb.VerifyRequest:
         **_logprobs_field(call.num_logprobs),
         **_acceptance_field(call.acceptance),
         return_hidden=call.return_hidden,
+        cache_salt=call.cache_salt,
     )
 
 
@@ -226,6 +230,7 @@ def verify_call(msg: pb.VerifyRequest) -> VerifyCall:
         _num_logprobs(msg),
         _acceptance(msg),
         msg.return_hidden,
+        msg.cache_salt,
     )
 
 

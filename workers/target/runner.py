@@ -113,7 +113,9 @@ class TargetRunner:
                 f"session {call.session_id!r} would exceed the context of "
                 f"{self.engine.context_length} tokens"
             )
-        synced = self.table.sync(call.session_id, call.base_len, call.tokens, busy)
+        synced = self.table.sync(
+            call.session_id, call.base_len, call.tokens, busy, salt=call.cache_salt
+        )
         session = synced.session
         if session.cached == len(session.committed):  # the root must be fed for its logits
             self.table.rewind(session, session.cached - 1)
