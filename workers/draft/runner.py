@@ -83,7 +83,7 @@ class ModelDrafter:
             return session
         check_tokens(call.tokens, self.engine.vocab_size)
         synced = self.table.sync(
-            call.session_id, call.base_len, call.tokens, busy, True, call.cache_salt
+            call.session_id, call.base_len, call.tokens, busy, rollback=True, salt=call.cache_salt
         )
         self.reuse(synced.session)
         return synced.session

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.engine.prefix_cache import ROOT, PrefixIndex, digests, root
+from workers.engine.prefix_cache import PrefixIndex, digests, root
 from workers.protocol.errors import WorkerBusy
 
 if TYPE_CHECKING:
@@ -82,7 +82,6 @@ class PagedKVCache:
         self.prefixes = PrefixIndex() if share_prefixes else None
         # each slot's leading full blocks' digests, as far as `publish` or `adopt` went
         self.chains: list[list[bytes]] = [[] for _ in range(num_slots)]
-        self.roots = [ROOT] * num_slots  # the digest each slot's chain starts from (its salt)
 
     @property
     def capacity_tokens(self) -> int:
@@ -148,14 +147,14 @@ class PagedKVCache:
     def release(self, slot: int) -> None:
         self.trim(slot, 0)
 
-    def publish(self, slot: int, tokens: list[int], length: int) -> None:
+    def publish(self, slot: int, tokens: list[int], length: int, salt: str = "") -> None:
         """Publishes the slot's full blocks within its first `length` columns, which hold
-        the keys and values of `tokens[:length]`."""
+        the keys and values of `tokens[:length]`, under the salt the slot started with."""
         if self.prefixes is None:
             return
         known, size = self.chains[slot], self.block_size
         first = len(known)  # the first block not published yet
-        new = digests(tokens[first * size : length], size, known[-1] if known else self.roots[slot])
+        new = digests(tokens[first * size : length], size, known[-1] if known else root(salt))
         for block, digest in enumerate(new, start=first):
             self.prefixes.publish(digest, int(self.tables[slot, block]))
         known += new
@@ -166,9 +165,8 @@ class PagedKVCache:
         `salt` where that is longer; returns the columns cached. A slot whose salt changes
         keeps none of its own (the caller passes `hit` 0)."""
         found: list[tuple[bytes, int]] = []
-        self.roots[slot] = root(salt)
         if self.prefixes is not None:
-            for digest in digests(tokens[:-1], self.block_size, self.roots[slot]):
+            for digest in digests(tokens[:-1], self.block_size, root(salt)):
                 block = self.prefixes.blocks.get(digest)
                 if block is None:
                     break

@@ -178,7 +178,7 @@ class SessionTable:
         blocks they complete where the cache shares prefixes."""
         session.cached += n
         if self.cache is not None:
-            self.cache.publish(session.slot, session.committed, session.cached)
+            self.cache.publish(session.slot, session.committed, session.cached, session.salt)
 
     def rewind(self, session: Session, length: int) -> None:
         """Sets the session's cached length back to `length` or, where its KV blocks are
