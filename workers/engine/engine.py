@@ -21,7 +21,7 @@ from workers.engine.llama import LlamaShape, NativeLlama
 from workers.engine.packed import pack_linears
 from workers.engine.paged_attention import compiled_attention
 from workers.protocol import WorkerInfo
-from workers.settings import EMBEDDED_MODEL
+from workers.settings import EMBEDDED_MODEL, Attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,7 +44,7 @@ class EngineConfig:
     pack_weights: bool = True
     # "compiled" (workers/engine/paged_attention.py), "chunked" (workers/engine/attention.py),
     # or "auto": compiled where it can serve (a CPU, float32 or bfloat16, a C compiler)
-    attention: str = "auto"
+    attention: Attention = "auto"
     # share full KV blocks between sessions by their tokens (workers/engine/prefix_cache.py);
     # never for an EAGLE head, whose keys and values also depend on the states it is fed
     prefix_caching: bool = True

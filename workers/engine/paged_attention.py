@@ -33,10 +33,12 @@ import platform
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import get_args
 
 import torch
 
 from workers.engine.batch import VisibleKeys
+from workers.settings import Attention
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 LANES = 8  # the kernel's vector width: the head size must be a multiple of it
 MAX_DIM = 512  # the kernel's largest head size
 ENTRY = {torch.float32: "attend_f32", torch.bfloat16: "attend_bf16"}
-ATTENTION = ("auto", "compiled", "chunked")  # EngineConfig.attention
+ATTENTION = get_args(Attention)  # EngineConfig.attention
 
 
 def cpu_identity() -> str:
@@ -149,5 +151,5 @@ def compiled_attention(
             reason = f"it did not build: {detail}"
     if choice == "compiled":
         raise ValueError(f"the compiled attention cannot serve this engine: {reason}")
-    log.warning("using the chunked attention (slower): the compiled one cannot serve, %s", reason)
+    log.warning("using the chunked attention: the compiled one cannot serve, %s", reason)
     return None
