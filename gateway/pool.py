@@ -12,6 +12,17 @@ gateway/admission.py queues the requests beyond it), picks the least loaded
 healthy worker of a role, and keeps a conversation (X-Session-ID header or
 `user`) on the workers that served it before, under the same worker session
 id, so a target finds the conversation's prefix still in its KV cache.
+
+Without a conversation key a session goes by its prompt (prefix-aware
+routing, as SGLang's cache-aware router and vLLM's production stack do):
+the router remembers which worker each full block of a recent prompt went
+to, by the digest chain the workers' prefix cache uses (salted alike), and
+sends a new session to the worker that got the longest prefix of its
+prompt, if that prefix is more than half of the prompt's blocks and that
+worker has at most `prefix_slack` live sessions above the least loaded one.
+The next turn of a conversation, whose prompt opens with the last one's,
+and requests sharing a long system prompt land where the prefix is cached
+instead of prefilling it on every worker.
 """
 
 from __future__ import annotations
@@ -26,18 +37,26 @@ import socket
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.adaptive import CostFit
 from gateway.errors import APIError
 from gateway.hangs import CallTimes
 from gateway.metrics import Metrics
+from workers.engine.prefix_cache import digests, root
 from workers.protocol import Backend, BackendFactory, Role, WorkerInfo
 
 log = logging.getLogger("specsplit.gateway")
 
 CALL_TIMEOUT_S = 5.0  # health, info and end calls
+PREFIX_BLOCK = 16  # tokens per block prefix-aware routing keys on (the workers' KV block)
+
+
+def prompt_blocks(prompt: list[int], salt: str) -> tuple[bytes, ...]:
+    """The routing keys of a prompt: the digests of its full blocks (those a worker's
+    prefix cache could hold: the last token is always fed), salted as the workers salt."""
+    return tuple(digests(prompt[:-1], PREFIX_BLOCK, root(salt)))
 
 
 @dataclass(eq=False)
@@ -241,12 +260,16 @@ class Router:
     metrics: Metrics
     max_sessions: int = 64  # choices generated at once, over all workers
     affinity_entries: int = 10_000  # conversations remembered
+    prefix_slack: int = 4  # most live sessions above the least loaded a prefix's worker may have
+    prefix_entries: int = 100_000  # prompt blocks remembered for prefix-aware routing
     retry_after_s: int = 2
     ngram: Pool | None = None  # the in-gateway n-gram drafter, when the drafts are workers
     draining: bool = False  # set on SIGTERM: new requests get 503, live ones finish
     cut: bool = False  # set when the drain timed out: the live ones end with a 503 event
     live: int = 0
     affinity: OrderedDict[str, dict[Role, str]] = field(default_factory=OrderedDict)
+    # (role, digest of a prompt prefix of whole blocks) -> the worker it last went to
+    prefixes: OrderedDict[tuple[Role, bytes], str] = field(default_factory=OrderedDict)
     busy_ids: set[str] = field(default_factory=set)  # worker session ids in use
     pending: set[asyncio.Task] = field(default_factory=set)  # EndSession calls in flight
 
@@ -332,10 +355,12 @@ class Router:
         exclude: set[str],
         pool: Pool | None = None,
         width: int = 0,
+        prefix: Sequence[bytes] = (),
     ) -> Worker | None:
-        """The affine worker of `pool` (default: the role's) when it is serving, else the
-        least loaded one. A feature draft is bound only to a session whose target's states
-        are as wide as it feeds on (`width`; 0: any)."""
+        """The affine worker of `pool` (default: the role's) when it is serving, else the one
+        that got the longest run of `prefix` (the session's prompt blocks' digests) within
+        the slack, else the least loaded one. A feature draft is bound only to a session
+        whose target's states are as wide as it feeds on (`width`; 0: any)."""
         pool = pool or self.pool(role)
         candidates = [
             w
@@ -348,7 +373,8 @@ class Router:
         preferred = self.affinity.get(key, {}).get(role) if key is not None else None
         chosen = next((w for w in candidates if w.address == preferred), None)
         if chosen is None:
-            chosen = min(candidates, key=lambda w: (w.load, w.picks))
+            least = min(candidates, key=lambda w: (w.load, w.picks))
+            chosen = self.prefix_holder(role, prefix, candidates, least.load) or least
         chosen.load += 1
         chosen.picks += 1
         if key is not None:
@@ -356,7 +382,26 @@ class Router:
             self.affinity.move_to_end(key)
             while len(self.affinity) > self.affinity_entries:
                 self.affinity.popitem(last=False)
+        for digest in prefix:
+            self.prefixes[role, digest] = chosen.address
+            self.prefixes.move_to_end((role, digest))
+        while len(self.prefixes) > self.prefix_entries:
+            self.prefixes.popitem(last=False)
         return chosen
+
+    def prefix_holder(
+        self, role: Role, prefix: Sequence[bytes], candidates: list[Worker], least: int
+    ) -> Worker | None:
+        """The candidate that got the longest run of `prefix`, at least half of it (SGLang's
+        cache-aware router's threshold: a short match saves too little prefill to unbalance
+        the workers for), with at most `prefix_slack` live sessions more than `least`; None:
+        none."""
+        by_address = {w.address: w for w in candidates}
+        for depth in range(len(prefix), len(prefix) // 2, -1):
+            worker = by_address.get(self.prefixes.get((role, prefix[depth - 1]), ""))
+            if worker is not None and worker.load <= least + self.prefix_slack:
+                return worker
+        return None
 
     def unbind(self, worker: Worker, session_id: str, end: bool = True) -> None:
         worker.load -= 1

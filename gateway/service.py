@@ -100,6 +100,7 @@ class Gateway:
             metrics,
             settings.max_sessions,
             settings.affinity_entries,
+            settings.prefix_routing_slack,
             retry_after_s=max(1, round(settings.health_interval_s)),
             ngram=ngram if drafts is not ngram else None,
         )

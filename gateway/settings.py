@@ -91,6 +91,13 @@ class GatewayOptions(BaseSettings):
     )
     rpc_timeout_s: float = Field(60.0, gt=0, description="deadline of one propose or verify call")
     affinity_entries: int = Field(10_000, ge=0, description="conversations remembered for routing")
+    prefix_routing_slack: int = Field(
+        4,
+        ge=0,
+        description="a session without a conversation key goes to the worker that got the "
+        "longest prefix of its prompt while that one has at most this many live sessions more "
+        "than the least loaded; 0 = only when it is as little loaded",
+    )
     drain_timeout_s: float = Field(
         30.0,
         ge=0,

@@ -37,7 +37,7 @@ from gateway.errors import APIError
 from gateway.hangs import Hung
 from gateway.metrics import Metrics
 from gateway.overlap import Lookahead
-from gateway.pool import Pool, Router, Worker
+from gateway.pool import Pool, Router, Worker, prompt_blocks
 from workers.draft.ngram import lookup_tree
 from workers.draft.suffix import SuffixCache
 from workers.engine.sessions import common_prefix
@@ -81,6 +81,7 @@ class PoolRoute:
     metrics: Metrics
     affinity: str | None = None  # conversation key: its workers are preferred
     method: str = "auto"  # the request's drafter: auto (the deployment's), off, ngram, draft
+    prefix: tuple[bytes, ...] = ()  # its prompt's routing keys (gateway.pool.prompt_blocks)
 
     def pool(self, role: Role) -> Pool | None:
         if role == "target":
@@ -97,7 +98,7 @@ class PoolRoute:
         return ATTEMPTS + len(self.pool(role).workers)
 
     def bind(self, role: Role, tried: set[str], width: int = 0) -> Worker | None:
-        return self.router.bind(role, self.affinity, tried, self.pool(role), width)
+        return self.router.bind(role, self.affinity, tried, self.pool(role), width, self.prefix)
 
     async def call(self, worker: Worker, tokens: int, call: Awaitable[T]) -> T:
         """Bounded by the worker's recent calls while another worker of its pool serves."""
@@ -152,7 +153,9 @@ class Speculation(Loop):
         # a conversation keeps its sessions (and their cached prefix) for its next turn
         super().__init__(
             LoopState(plan),
-            PoolRoute(router, metrics, affinity, method),
+            PoolRoute(
+                router, metrics, affinity, method, prompt_blocks(plan.prompt, plan.cache_salt)
+            ),
             router.session_id(affinity, index),
             keep=affinity is not None,
         )

@@ -33,10 +33,13 @@ MARGIN_S = 15.0
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory):
     # no suffix cache: a repeated greedy request would draft its whole answer from the first
-    # one's output, and a fault at the n-th chunk would find nothing running
+    # one's output, and a fault at the n-th chunk would find nothing running; a prefix routing
+    # slack of 0: two streams of the same prompt at once go one to each target (by default
+    # both would go where the prompt went before)
     server = Serve(
         tmp_path_factory.mktemp("chaos"),
         *("--targets", "2", "--drain-timeout-s", "60", "--suffix-cache-tokens", "0"),
+        *("--prefix-routing-slack", "0"),
     )
     server.wait_ready()
     yield server
@@ -132,7 +135,8 @@ def test_a_killed_target_is_restarted_and_serves_again(serve, client, clean):
     assert sample(metrics, 'specsplit_worker_restarts_total{role="target"}') == 1
     assert sample(metrics, f'specsplit_worker_up{{address="{address}",role="target"}}') == 1
     assert any(f"on {address} exited with -9" in line for line in serve.lines)
-    # two streams at once: the least loaded pick puts one on each target, the restarted one too
+    # two streams at once: one goes where the prompt went, the other to the least loaded
+    # target (slack 0), so one on each target, the restarted one too
     streams = [client.chat.completions.create(model=MODEL, stream=True, **KW) for _ in range(2)]
     chunks = [iter(stream) for stream in streams]
     heads = [until_text(c) for c in chunks]  # both sessions have had a round verified

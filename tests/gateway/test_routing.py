@@ -207,6 +207,63 @@ def test_conversation_affinity_reuses_the_cached_prefix(tiny_dir):
         assert "specsplit_prefix_cache_hits_total 2.0" in httpx.get(gateway.url + "/metrics").text
 
 
+def test_sessions_go_where_their_prompt_prefix_went(tiny_dir):
+    """Without a conversation key, a conversation's next turn and another request opening with
+    the same long system prompt go to the target that got that prefix, and find it cached
+    there; a prompt sharing less than half of its blocks with those goes least loaded."""
+    backends = [target(tiny_dir, "t0"), target(tiny_dir, "t1")]
+    system = {"role": "system", "content": " ".join(WORDS[i % 30] for i in range(40))}
+    with live(tiny_dir, backends) as gateway:
+        client = client_of(gateway)
+        workers = gateway.gateway.router.targets.workers.values()
+
+        def turn(messages) -> tuple[str, int, list[int]]:
+            """The reply, its prefix hit, and how many sessions each target has been given."""
+            reply = client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=6,
+                temperature=0,
+                extra_body={"speculation_stats": True},
+            )
+            hit = reply.model_extra["speculation_stats"]["prefix_hit_tokens"]
+            return reply.choices[0].message.content, hit, sorted(w.picks for w in workers)
+
+        messages = [system, {"role": "user", "content": "one two"}]
+        text, hit, picks = turn(messages)
+        assert hit == 0 and picks == [0, 1]
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "three"}]
+        _, hit, picks = turn(messages)
+        assert hit >= 48 and picks == [0, 2]
+        _, hit, picks = turn([system, {"role": "user", "content": "red blue green"}])
+        assert hit >= 32 and picks == [0, 3]
+        _, hit, picks = turn([{"role": "user", "content": " ".join(WORDS[:25])}])
+        assert hit == 0 and picks == [1, 3]
+
+
+def test_prefix_routing_yields_to_load(tiny_dir):
+    """Concurrent sessions with one prompt go to the target holding it only while it has at most
+    `prefix_routing_slack` more live sessions than the other: with a slack of 2, four go
+    t0, t0, t0, then t1 (t0 has three more); least loaded alone would give two each."""
+    backends = [slow_target(tiny_dir, "t0", 0.2), slow_target(tiny_dir, "t1", 0.2)]
+    with live(tiny_dir, backends, prefix_routing_slack=2) as gateway:
+        client = client_of(gateway)
+        prompt = [{"role": "user", "content": " ".join(WORDS[i % 30] for i in range(40))}]
+        workers = gateway.gateway.router.targets.workers.values()
+        streams = []
+        for n in range(1, 5):
+            streams.append(
+                client.chat.completions.create(
+                    model=MODEL, messages=prompt, max_tokens=200, temperature=0, stream=True
+                )
+            )
+            next(iter(streams[-1]))  # the role chunk: the choice binds its workers right after
+            wait_until(lambda n=n: sum(w.load for w in workers) == n, what=f"{n} streams bound")
+        assert sorted(w.load for w in workers) == [1, 3]
+        for stream in streams:
+            stream.close()
+
+
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=7)])
 def test_a_shared_system_prompt_is_prefilled_once(tiny_dir, sampling):
     """Two conversations open with the same 40-word system prompt: the second finds its
