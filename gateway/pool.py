@@ -382,11 +382,12 @@ class Router:
             self.affinity.move_to_end(key)
             while len(self.affinity) > self.affinity_entries:
                 self.affinity.popitem(last=False)
-        for digest in prefix:
-            self.prefixes[role, digest] = chosen.address
-            self.prefixes.move_to_end((role, digest))
-        while len(self.prefixes) > self.prefix_entries:
-            self.prefixes.popitem(last=False)
+        if len(pool.workers) > 1:  # one worker (the in-gateway n-gram drafter): nothing to pick
+            for digest in prefix:
+                self.prefixes[role, digest] = chosen.address
+                self.prefixes.move_to_end((role, digest))
+            while len(self.prefixes) > self.prefix_entries:
+                self.prefixes.popitem(last=False)
         return chosen
 
     def prefix_holder(
