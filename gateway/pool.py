@@ -393,7 +393,7 @@ class Router:
     def prefix_holder(
         self, role: Role, prefix: Sequence[bytes], candidates: list[Worker], least: int
     ) -> Worker | None:
-        """The candidate that got the longest run of `prefix`, at least half of it (SGLang's
+        """The candidate that got the longest run of `prefix`, more than half of it (SGLang's
         cache-aware router's threshold: a short match saves too little prefill to unbalance
         the workers for), with at most `prefix_slack` live sessions more than `least`; None:
         none."""
