@@ -177,6 +177,13 @@ class Metrics:
             "Prompt tokens a target reused from its cache on (re)start",
             registry=r,
         )
+        self.prefix_routed = Counter(
+            "specsplit_prefix_routed_sessions",
+            "Sessions bound to the worker that got the longest prefix of their prompt (prefix-"
+            "aware routing) rather than the least loaded one",
+            ["role"],
+            registry=r,
+        )
         self.history_resends = Counter(
             "specsplit_history_resends",
             "Full histories re-sent to a worker that lost a session (NOT_FOUND)",

@@ -375,6 +375,8 @@ class Router:
         if chosen is None:
             least = min(candidates, key=lambda w: (w.load, w.picks))
             chosen = self.prefix_holder(role, prefix, candidates, least.load) or least
+            if chosen is not least:
+                self.metrics.prefix_routed.labels(role).inc()
         chosen.load += 1
         chosen.picks += 1
         if key is not None:

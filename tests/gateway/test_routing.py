@@ -239,6 +239,8 @@ def test_sessions_go_where_their_prompt_prefix_went(tiny_dir):
         assert hit >= 32 and picks == [0, 3]
         _, hit, picks = turn([{"role": "user", "content": " ".join(WORDS[:25])}])
         assert hit == 0 and picks == [1, 3]
+        metrics = httpx.get(gateway.url + "/metrics").text
+        assert 'specsplit_prefix_routed_sessions_total{role="target"} 2.0' in metrics
 
 
 def test_prefix_routing_yields_to_load(tiny_dir):
