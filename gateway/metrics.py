@@ -227,6 +227,7 @@ class Metrics:
             self.accepted_per_position.labels(position=str(position))
         for role in ROLES:
             self.history_resends.labels(role)
+            self.prefix_routed.labels(role)
             self.failovers.labels(role)
             self.hung_calls.labels(role)
             self.worker_restarts.labels(role)
