@@ -45,7 +45,6 @@ from workers.loop import Loop, LoopState, Plan
 from workers.loop.driver import ATTEMPTS
 from workers.protocol import (
     InvalidCall,
-    ProposeCall,
     Role,
     TreeSpec,
     VerifyOutcome,
@@ -257,9 +256,7 @@ class Speculation(Loop):
         room = worker.max_tree_nodes or 255
         spec = replace(spec, depth=spec.depth + 1, budget=min(2 * budget + 1, room))
         held = self.draft.held
-        plan = self.state.plan
-        tokens = self.history[held:] + guess
-        call = ProposeCall(self.session_id, held, tokens, spec, plan.tenant, None, plan.cache_salt)
+        call = self.propose_call(held, guess, spec)
         task = asyncio.get_running_loop().create_task(worker.backend.propose(call))
         self.lookahead = Lookahead(len(self.history), guess, held, budget, task)
 

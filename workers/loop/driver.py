@@ -218,6 +218,16 @@ class Loop:
         drafted, _ = await self.draft_tree(replace(spec, budget=spec.budget - len(local)))
         return merge_trees(local, drafted, spec.budget), False
 
+    def propose_call(
+        self, held: int, guess: list[int], spec: TreeSpec, features: Features | None = None
+    ) -> ProposeCall:
+        """A propose of the history past `held` (what the draft holds), then `guess`."""
+        plan = self.state.plan
+        tokens = self.history[held:] + guess
+        return ProposeCall(
+            self.session_id, held, tokens, spec, plan.tenant, features, plan.cache_salt
+        )
+
     async def draft_tree(self, spec: TreeSpec) -> tuple[TokenTree, bool]:
         """The draft worker's tree within `spec`, and whether none answered."""
         tried: set[str] = set()
@@ -227,13 +237,8 @@ class Loop:
                 break
             if worker.feature_size and self.features is None:
                 return TokenTree.empty(), False  # a feature draft waits for the target's states
-            held = self.draft.held
             features = self.features if worker.feature_size else None
-            plan = self.state.plan
-            tokens = self.history[held:]
-            call = ProposeCall(
-                self.session_id, held, tokens, spec, plan.tenant, features, plan.cache_salt
-            )
+            call = self.propose_call(self.draft.held, [], spec, features)
             try:
                 work = len(call.tokens) + spec.budget
                 tree = await self.route.call(worker, work, worker.backend.propose(call))
