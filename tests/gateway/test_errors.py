@@ -172,6 +172,9 @@ def test_unknown_route_and_method_keep_the_shape(server):
 
 
 def test_errors_are_counted(server):
+    # its own 400 and 401: under pytest-xdist the module's other tests may run elsewhere
+    assert post(server, "/v1/chat/completions", b"{not json").status_code == 400
+    assert httpx.get(server.url + "/v1/models").status_code == 401
     text = httpx.get(server.url + "/metrics").text
     assert sample(text, 'specsplit_requests_total{endpoint="chat",status="400"}') >= 1
     assert sample(text, 'specsplit_requests_total{endpoint="models",status="401"}') >= 1
