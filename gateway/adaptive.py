@@ -11,8 +11,10 @@ Both sides are estimated per round:
   (weights are read once, then compute grows with the tokens; the round's
   network and gateway time adds to a). Each target worker's a and b are
   learnt online (`CostFit`) from what its Verify calls report: the tokens
-  its batch fed and the call's seconds (the gateway's wall time less the
-  time it queued on the worker). Before a target has answered, a / b is
+  its batch's forward fed (cached prompt blocks are not fed) and the call's
+  seconds (the gateway's wall time less the time it queued on the worker);
+  the calls of one batch share one forward, so each weighs 1 / the batch's
+  calls. Before a target has answered, a / b is
   `knee_tokens` (`--adaptive-knee-tokens`). The fit is an exponentially
   weighted least-squares line, pulled towards that prior ratio with the
   weight of `prior_weight` rounds, so rounds that all feed the same number
@@ -122,15 +124,20 @@ class CostFit:
     seconds: float = 0.0  # sum of w * t
     product: float = 0.0  # sum of w * n * t
 
-    def observe(self, tokens: int, seconds: float, config: AdaptiveConfig) -> None:
-        if tokens <= 0 or seconds <= 0:
+    def observe(
+        self, tokens: int, seconds: float, config: AdaptiveConfig, share: float = 1.0
+    ) -> None:
+        """One call's round: its batch fed `tokens` in `seconds`. The calls of one batch
+        report the same forward; each weighs `share` of a round (1 / the batch's calls), so
+        a forward counts once, however many sessions it served."""
+        if tokens <= 0 or seconds <= 0 or share <= 0:
             return
-        keep = 1.0 - config.cost_ewma
-        self.weight = keep * self.weight + 1.0
-        self.tokens = keep * self.tokens + tokens
-        self.tokens2 = keep * self.tokens2 + tokens * tokens
-        self.seconds = keep * self.seconds + seconds
-        self.product = keep * self.product + tokens * seconds
+        keep = (1.0 - config.cost_ewma) ** share
+        self.weight = keep * self.weight + share
+        self.tokens = keep * self.tokens + share * tokens
+        self.tokens2 = keep * self.tokens2 + share * tokens * tokens
+        self.seconds = keep * self.seconds + share * seconds
+        self.product = keep * self.product + share * tokens * seconds
 
     def line(self, config: AdaptiveConfig) -> RoundCost:
         """The fitted cost; the prior (in token units) before any round."""

@@ -321,7 +321,8 @@ class Speculation(Loop):
             return
         timings = outcome.timings
         tokens = timings.batch_tokens or self.fed - outcome.prefix_hit
-        worker.cost.observe(tokens, verify_s - timings.queue_ns / 1e9, self.config)
+        share = 1.0 / max(1, timings.batch_size)
+        worker.cost.observe(tokens, verify_s - timings.queue_ns / 1e9, self.config, share)
 
     def after_emit(self, seconds: float) -> None:
         self.metrics.round_phase.labels("gateway").observe(seconds)

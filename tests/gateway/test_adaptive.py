@@ -91,6 +91,18 @@ def test_the_cost_fit_learns_a_line_and_keeps_the_prior_split_without_spread():
     assert line.fixed_s / line.token_s == pytest.approx(CONFIG.knee_tokens, rel=0.01)
 
 
+def test_a_forward_counts_once_whatever_the_calls_it_served():
+    sizes = [(8, 0.030), (9, 0.031), (40, 0.060), (8, 0.029), (12, 0.035)] * 10
+    once, per_call = CostFit(), CostFit()
+    for n, seconds in sizes:
+        once.observe(n, seconds, CONFIG)
+        calls = n // 4  # the batch's sessions each report the same forward
+        for _ in range(calls):
+            per_call.observe(n, seconds, CONFIG, share=1 / calls)
+    assert per_call.line(CONFIG).fixed_s == pytest.approx(once.line(CONFIG).fixed_s, rel=1e-3)
+    assert per_call.line(CONFIG).token_s == pytest.approx(once.line(CONFIG).token_s, rel=1e-3)
+
+
 def test_the_cost_fit_follows_a_target_that_changes():
     fit = CostFit()
     for n in [1, 17, 3, 9] * 30:  # fixed cost dominates: knee far above the prior's 20

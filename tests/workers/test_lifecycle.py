@@ -119,12 +119,17 @@ async def test_info_and_metric_names():
         assert metrics["specsplit_worker_evictions_total"] == [({"role": "target"}, 0.0)]
 
 
-async def test_a_shared_prompt_prefix_is_counted_in_the_metrics():
+async def test_a_shared_prompt_prefix_is_counted_in_the_metrics_and_timings():
     prompt = list(range(3, 43))  # two full blocks of 16 are shared; the last token is fed again
     async with target_worker(tiny_engine(seed=0, slots=3)) as (server, target):
-        for sid in ("a", "b"):
+        outcomes = [
             await target.verify(VerifyCall(sid, 0, prompt, TokenTree.empty(), SamplingParams()))
+            for sid in ("a", "b")
+        ]
         metrics = scrape(server)
+    # the tokens each forward fed, which the gateway's cost fit divides its time by: the
+    # second prompt's cached blocks cost nothing
+    assert [o.timings.batch_tokens for o in outcomes] == [40, 8]
     tokens = {labels["source"]: v for labels, v in metrics["specsplit_worker_prompt_tokens_total"]}
     assert tokens == {"sent": 80, "cached": 32}
     assert metrics["specsplit_worker_prefix_cache_tokens"] == [({"role": "target"}, 32.0)]

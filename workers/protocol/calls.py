@@ -131,7 +131,7 @@ class Timings:
     queue_ns: int = 0  # arrival -> start of its batch
     forward_ns: int = 0  # the batch's model work, shared by its calls
     batch_size: int = 0  # calls in that batch
-    batch_tokens: int = 0  # tokens that batch fed its forward (0 = not reported)
+    batch_tokens: int = 0  # tokens its forward fed, cached prompt blocks not (0 = not reported)
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ class SessionCollector(Collector):
 class WorkerMetrics:
     def __init__(self, role: str):
         self.role = role
+        self.fed_tokens = 0  # tokens the engine's forwards have fed, all told
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["role"]
         self.batch_size = Histogram(
@@ -127,7 +128,9 @@ class WorkerMetrics:
         self.requests.labels(self.role, method, code).inc()
 
     def observe_forward(self, rows: list[SlotInput]) -> None:
-        self.tokens_per_forward.observe(sum(len(r.tokens) for r in rows))
+        tokens = sum(len(r.tokens) for r in rows)
+        self.fed_tokens += tokens
+        self.tokens_per_forward.observe(tokens)
 
     def serve(self, host: str, port: int):
         """Starts the /metrics HTTP server; returns (server, thread); port 0 = any free port."""

@@ -84,7 +84,7 @@ class BenchSettings(BaseSettings):
         "off,ngram-tree,ngram-tree-adaptive", description="rows swept over --streams"
     )
     sweep_workload: str = Field("grounded", description="the workload swept over --streams")
-    ngram_depth: int = Field(16, ge=1, description="n-gram tree/chain depth")
+    ngram_depth: int = Field(6, ge=1, description="n-gram tree depth (serve's default)")
     ngram_budget: int = Field(16, ge=1, description="n-gram tree nodes (the chain's depth too)")
     model_depth: int = Field(4, ge=1, description="model-draft tree depth")
     model_branching: int = Field(4, ge=2, description="model-draft tree: children per node")
