@@ -25,10 +25,15 @@ Both sides are estimated per round:
   times D (a model draft expands the tree level by level; n-gram drafts
   cost nothing).
 
-The depth maximises expected tokens per second of round time,
-E(D) / (a + b S (1 + N(D)) + D * level_s), over 0..max depth. The tree keeps
-the configured shape's nodes-per-level (budget / depth), so a wide tree
-narrows as it gets shallower. D = 0 turns speculation off for the round
+The shape maximises expected tokens per second of round time,
+E(D) / (a + b S (1 + N) + D * level_s), over depths 0..max and two shapes
+at each depth: the configured shape cut to D levels (its nodes-per-level,
+budget / depth, kept, so a wide tree narrows as it gets shallower; N =
+N(D), at the trees' acceptance) or a chain D deep (N = D, at the spines'
+acceptance: a tree's spine, each node's first child, is the draft's best
+path, so every tree round also measures what a chain would have accepted).
+Where tokens are dear a chain often pays and the tree does not: the other
+branches rarely catch what the spine misses. D = 0 turns speculation off for the round
 (it does not pay: a slow or compute-bound target, low acceptance, many
 sessions). A session that has not drafted for `probe_every` times S rounds
 drafts one node (a probe), so its estimate can recover when the text turns
@@ -46,18 +51,23 @@ with S, with alpha and with the target's measured cost per token, down to
 plain decoding; and grows where a round's fixed cost dominates (a GPU, a
 slow network).
 
-Acceptance estimate: a round that accepted `a` tokens of a path `d` deep
+Acceptance estimates (`Rates`: one for trees, one for spines): a round that
+accepted `a` tokens of a path `d` deep
 either stopped on a rejection (a < d) or used up the path (a == d, censored).
 For a geometric run length the maximum-likelihood alpha is sum(a) /
 (sum(a) + rejections); both sums are exponentially weighted (weight `ewma`
 for the newest round). A new session starts from the same estimate kept
 over every session's rounds (the gateway's recent acceptance with this
-draft), or from `prior_rate` before the first round.
+draft), or from `prior_rate` before the first round. A session drafts when
+its recent rounds went well, and the rounds after a good streak accept less
+than it promised, most on open-ended text: the expected accepted tokens,
+E(D) - 1, are scaled by what drafted rounds accepted against what their
+estimates promised, over every session's recent rounds (`Calibration`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from workers.protocol import TreeSpec
 
@@ -72,6 +82,7 @@ class AdaptiveConfig:
     probe_every: int = 8  # with speculation off, draft one node every this many rounds x S
     cost_ewma: float = 0.05  # weight of the newest round in a target's cost fit
     prior_weight: float = 1.0  # rounds' worth of belief in knee_tokens once a target is measured
+    calibration_ewma: float = 0.02  # weight of the newest drafted round in the calibration
 
     def __post_init__(self):
         if self.knee_tokens < 0 or not 0 < self.ewma <= 1 or not 0 <= self.prior_rate < 1:
@@ -81,10 +92,14 @@ class AdaptiveConfig:
             )
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
-        if not 0 < self.cost_ewma <= 1 or self.prior_weight <= 0:
+        if (
+            not 0 < self.cost_ewma <= 1
+            or self.prior_weight <= 0
+            or not 0 < self.calibration_ewma <= 1
+        ):
             raise ValueError(
-                f"need 0 < cost_ewma <= 1, prior_weight > 0; got "
-                f"{self.cost_ewma}, {self.prior_weight}"
+                f"need 0 < cost_ewma <= 1, prior_weight > 0, 0 < calibration_ewma <= 1; got "
+                f"{self.cost_ewma}, {self.prior_weight}, {self.calibration_ewma}"
             )
 
 
@@ -159,11 +174,11 @@ class CostFit:
 
 @dataclass
 class Acceptance:
-    """A session's recent acceptance: exponentially weighted accepted tokens and rejections."""
+    """Recent acceptance of one kind of draft: exponentially weighted accepted tokens and
+    rejections."""
 
     accepted: float  # weighted draft tokens accepted per round
     rejected: float  # weighted share of rounds that ended on a rejected token
-    rounds_off: int = 0  # rounds in a row decoded without a draft
 
     @classmethod
     def prior(cls, config: AdaptiveConfig) -> Acceptance:
@@ -185,6 +200,76 @@ class Acceptance:
         self.rejected += w * (float(accepted < path_depth) - self.rejected)
 
 
+@dataclass
+class Calibration:
+    """Draft tokens that drafted rounds accepted against those their estimates promised.
+
+    A session drafts when its recent rounds went well, and copied runs end: the
+    rounds that follow a good streak accept less than the streak promised
+    (regression to the mean), most on open-ended text. The promise is scaled by
+    `factor`, measured over every session's recent drafted rounds (weight
+    `calibration_ewma` for the newest).
+    """
+
+    promised: float = 1.0  # weighted draft tokens the estimates expected per drafted round
+    accepted: float = 1.0  # weighted draft tokens those rounds accepted
+
+    def observe(self, promised: float, accepted: int, config: AdaptiveConfig) -> None:
+        w = config.calibration_ewma
+        self.promised += w * (promised - self.promised)
+        self.accepted += w * (accepted - self.accepted)
+
+    @property
+    def factor(self) -> float:
+        return self.accepted / self.promised if self.promised > 0 else 1.0
+
+
+@dataclass
+class Rates:
+    """A session's (or every session's) recent acceptance of whole trees and of their spines.
+
+    The spine is the draft's best path (each node's first child): what a chain as deep
+    would have drafted, so every tree round also measures the chain. A chain round
+    measures only the chain.
+    """
+
+    tree: Acceptance
+    chain: Acceptance
+    rounds_off: int = 0  # rounds in a row decoded without a draft
+    calibration: Calibration = field(default_factory=Calibration)  # every session's
+
+    @classmethod
+    def prior(cls, config: AdaptiveConfig) -> Rates:
+        return cls(Acceptance.prior(config), Acceptance.prior(config))
+
+    def fresh(self) -> Rates:
+        """A new session's estimates: a copy of these rates, no rounds off yet, and the same
+        calibration (kept over every session's rounds)."""
+        return Rates(replace(self.tree), replace(self.chain), calibration=self.calibration)
+
+    def promise(self, round_: RoundShape) -> float:
+        """Draft tokens these rates expect a round of that shape to accept."""
+        rate = self.chain.rate if round_.nodes <= round_.spine else self.tree.rate
+        return expected_tokens(rate, round_.depth) - 1.0
+
+    def observe(
+        self, round_: RoundShape, accepted: int, spine_accepted: int, config: AdaptiveConfig
+    ) -> None:
+        """One verified round: `accepted` tokens of the tree, `spine_accepted` of its spine."""
+        self.chain.observe(spine_accepted, round_.spine, config)
+        if round_.nodes > round_.spine:  # a tree, not a chain
+            self.tree.observe(accepted, round_.depth, config)
+
+
+@dataclass(frozen=True)
+class RoundShape:
+    """A drafted tree's size: its depth, its spine's length and its nodes."""
+
+    depth: int
+    spine: int
+    nodes: int
+
+
 def expected_tokens(rate: float, depth: int) -> float:
     """Tokens a round emits with a chain `depth` deep: 1 + alpha + ... + alpha^depth."""
     if rate >= 1.0:
@@ -200,19 +285,29 @@ def tree_nodes(spec: TreeSpec, depth: int) -> int:
     return max(depth, min(spec.budget, round(depth * per_level)))
 
 
-def best_depth(rate: float, sessions: int, spec: TreeSpec, cost: RoundCost) -> int:
-    """The depth with the most tokens per second of round time (0 = no speculation)."""
+def best_shape(rates: Rates, sessions: int, spec: TreeSpec, cost: RoundCost) -> tuple[int, int]:
+    """The (depth, nodes) with the most tokens per second of round time: the configured
+    shape cut to a depth (at the trees' acceptance) or a chain as deep (at the spines');
+    (0, 0) = no speculation. Ties go to fewer nodes, then to the shallower."""
     s = max(1, sessions)
+    shapes = [(0, 0, 0.0)]  # (depth, nodes, acceptance)
+    for d in range(1, spec.depth + 1):
+        shapes.append((d, d, rates.chain.rate))
+        if tree_nodes(spec, d) > d:
+            shapes.append((d, tree_nodes(spec, d), rates.tree.rate))
 
-    def speed(d: int) -> float:
-        return expected_tokens(rate, d) / cost.seconds(s * (1 + tree_nodes(spec, d)), d)
+    def speed(shape: tuple[int, int, float]) -> float:
+        d, n, rate = shape
+        gain = min(d, rates.calibration.factor * (expected_tokens(rate, d) - 1.0))
+        return (1.0 + gain) / cost.seconds(s * (1 + n), d)
 
-    return max(range(spec.depth + 1), key=lambda d: (speed(d), -d))  # ties: the shallower
+    d, n, _ = max(shapes, key=lambda shape: (speed(shape), -shape[1], -shape[0]))
+    return d, n
 
 
 def adapt(
     spec: TreeSpec,
-    acceptance: Acceptance,
+    rates: Rates,
     sessions: int,
     cost: RoundCost,
     config: AdaptiveConfig,
@@ -224,12 +319,14 @@ def adapt(
     """
     if spec.depth <= 0 or spec.budget <= 0:
         return None
-    depth = best_depth(acceptance.rate, sessions, spec, cost)
+    depth, nodes = best_shape(rates, sessions, spec, cost)
     if depth > 0:
-        acceptance.rounds_off = 0
-        return replace(spec, depth=depth, budget=tree_nodes(spec, depth))
-    acceptance.rounds_off += 1
-    if acceptance.rounds_off < config.probe_every * max(1, sessions):
+        rates.rounds_off = 0
+        if nodes == depth:
+            return replace(spec, depth=depth, branching=1, budget=depth)
+        return replace(spec, depth=depth, budget=nodes)
+    rates.rounds_off += 1
+    if rates.rounds_off < config.probe_every * max(1, sessions):
         return None
-    acceptance.rounds_off = 0
-    return replace(spec, depth=1, budget=1)  # a probe: one node keeps the estimate alive
+    rates.rounds_off = 0
+    return replace(spec, depth=1, branching=1, budget=1)  # a probe: one node keeps it alive

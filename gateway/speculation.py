@@ -32,7 +32,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from gateway.adaptive import Acceptance, AdaptiveConfig, RoundCost, adapt
+from gateway.adaptive import AdaptiveConfig, Rates, RoundCost, RoundShape, adapt
 from gateway.errors import APIError
 from gateway.hangs import Hung
 from gateway.metrics import Metrics
@@ -145,7 +145,7 @@ class Speculation(Loop):
         affinity: str | None = None,
         index: int = 0,
         options: LoopOptions = LoopOptions(),
-        recent: Acceptance | None = None,
+        recent: Rates | None = None,
         method: str = "auto",
         suffixes: SuffixCache | None = None,
     ):
@@ -162,8 +162,7 @@ class Speculation(Loop):
         self.options = options
         self.config = options.adaptive or AdaptiveConfig()
         self.recent = recent  # every session's rounds; a new session starts from it
-        start = recent if recent is not None else Acceptance.prior(self.config)
-        self.acceptance = replace(start, rounds_off=0)
+        self.rates = (recent or Rates.prior(self.config)).fresh()
         self.level_s = 0.0  # the draft's recent seconds per tree level (exponentially weighted)
         self.fed = 0  # tokens the last verify call fed (its history and tree, the root)
         self.outcome: VerifyOutcome | None = None  # the last verify's, with the worker's timings
@@ -181,7 +180,7 @@ class Speculation(Loop):
         params = self.state.plan.params
         if self.options.adaptive is None or (params.seed is not None and not params.greedy):
             return spec
-        return adapt(spec, self.acceptance, self.load, self.round_cost, self.options.adaptive)
+        return adapt(spec, self.rates, self.load, self.round_cost, self.options.adaptive)
 
     @property
     def load(self) -> int:
@@ -197,8 +196,9 @@ class Speculation(Loop):
 
     @property
     def expected_accepted(self) -> float:
-        """Draft tokens a round is expected to accept, alpha / (1 - alpha), from recent rounds."""
-        rate = min(self.acceptance.rate, 0.99)
+        """Draft tokens of its spine a round is expected to accept, alpha / (1 - alpha), from
+        recent rounds."""
+        rate = min(self.rates.chain.rate, 0.99)
         return rate / (1 - rate)
 
     # --- the overlapped loop --------------------------------------------------------------
@@ -294,11 +294,16 @@ class Speculation(Loop):
         self.observe_cost(verify_s)
         if len(tree):
             path_depth = int(depths(tree.parents).max())
-            self.acceptance.observe(round_.accepted, path_depth, self.config)
+            best = spine(tree)
+            shape = RoundShape(path_depth, len(best), len(tree))
+            on_spine = common_prefix(best, self.outcome.emitted) if self.outcome else 0
+            promised = self.rates.promise(shape)
+            self.rates.observe(shape, round_.accepted, on_spine, self.config)
             # a lossy rule accepts more than the draft deserves: other sessions start from
-            # what exact rounds accepted
+            # (and calibrate by) what exact rounds accepted
             if self.recent is not None and self.state.plan.acceptance.lossless:
-                self.recent.observe(round_.accepted, path_depth, self.config)
+                self.recent.observe(shape, round_.accepted, on_spine, self.config)
+                self.rates.calibration.observe(promised, round_.accepted, self.config)
             # a round with n-gram nodes timed the lookup (and maybe a smaller draft call),
             # not the draft's levels of its depth
             if not round_.degraded and not self.options.overlap and not self.local_nodes:

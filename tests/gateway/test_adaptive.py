@@ -10,9 +10,11 @@ from gateway.adaptive import (
     Acceptance,
     AdaptiveConfig,
     CostFit,
+    Rates,
     RoundCost,
+    RoundShape,
     adapt,
-    best_depth,
+    best_shape,
     expected_tokens,
 )
 from tests.gateway.helpers import MODEL, live, model_draft, slow_target, target
@@ -22,6 +24,16 @@ CONFIG = AdaptiveConfig(knee_tokens=20.0, ewma=0.3, prior_rate=0.8, probe_every=
 SPEC = TreeSpec(depth=12, branching=2, budget=24)
 CHAIN = TreeSpec(depth=16, branching=1, budget=16)
 KNEE_20 = RoundCost(20.0, 1.0)
+
+
+def rates(tree: float, chain: float | None = None) -> Rates:
+    """Estimates of alpha = `tree` for trees and `chain` (default the same) for chains."""
+    chain = tree if chain is None else chain
+    return Rates(Acceptance(tree, 1.0 - tree), Acceptance(chain, 1.0 - chain))
+
+
+def best_depth(rate: float, sessions: int, spec: TreeSpec, cost: RoundCost) -> int:
+    return best_shape(rates(rate), sessions, spec, cost)[0]
 
 
 def test_expected_tokens_is_the_geometric_sum():
@@ -59,20 +71,63 @@ def test_depth_grows_with_acceptance_and_shrinks_with_load():
 def test_a_tree_costs_its_nodes_and_a_draft_its_levels():
     # the same depth is dearer as a 2-wide tree than as a chain, and a slow draft shortens it
     wide = TreeSpec(depth=16, branching=2, budget=32)
-    assert best_depth(0.8, 4, wide, KNEE_20) < best_depth(0.8, 4, CHAIN, KNEE_20)
+    tree_depth, nodes = best_shape(rates(0.8, chain=0.0), 4, wide, KNEE_20)  # chains fail
+    assert nodes > tree_depth and tree_depth < best_depth(0.8, 4, CHAIN, KNEE_20)
     slow_draft = RoundCost(20.0, 1.0, level_s=10.0)
     assert best_depth(0.8, 1, CHAIN, slow_draft) < best_depth(0.8, 1, CHAIN, KNEE_20)
 
 
 def test_adapt_keeps_the_shape_within_the_configured_tree():
-    acceptance = Acceptance(accepted=0.95, rejected=0.05)
-    full = adapt(SPEC, acceptance, 1, KNEE_20, CONFIG)
+    trees_pay = rates(0.95, chain=0.3)  # the other branches catch most of what the spine misses
+    full = adapt(SPEC, trees_pay, 1, KNEE_20, CONFIG)
     assert full.depth <= SPEC.depth and full.budget <= SPEC.budget
     assert full.budget == max(full.depth, round(full.depth * SPEC.budget / SPEC.depth))
-    loaded = adapt(SPEC, acceptance, 16, KNEE_20, CONFIG)
+    loaded = adapt(SPEC, trees_pay, 16, KNEE_20, CONFIG)
     assert loaded.depth < full.depth and loaded.budget < full.budget
     assert loaded.branching == SPEC.branching
-    assert adapt(TreeSpec(depth=0), acceptance, 1, KNEE_20, CONFIG) is None
+    assert adapt(TreeSpec(depth=0), trees_pay, 1, KNEE_20, CONFIG) is None
+
+
+def test_a_chain_replaces_the_tree_when_the_spine_accepts_as_much():
+    # the other branches add nothing: the spine alone, as a chain, costs fewer tokens
+    spines_do = rates(0.8)
+    chain = adapt(SPEC, spines_do, 4, KNEE_20, CONFIG)
+    assert chain.branching == 1 and chain.budget == chain.depth > 0
+    # where tokens are dear every tree of the configured shape costs more than it brings, but
+    # a chain of the spine's acceptance still pays
+    dear, wide = RoundCost(20.0, 3.0), TreeSpec(6, 2, 16)
+    depth, nodes = best_shape(rates(0.6), 8, wide, dear)
+    assert nodes == depth > 0
+    assert best_shape(rates(0.6, chain=0.0), 8, wide, dear) == (0, 0)
+
+
+def test_promises_that_did_not_come_true_shrink_the_trees_of_every_session():
+    recent = rates(0.6)
+    session = recent.fresh()
+    assert session.calibration is recent.calibration  # measured over every session's rounds
+    before = best_shape(session, 4, SPEC, KNEE_20)
+    chain = RoundShape(depth=2, spine=2, nodes=2)
+    promised = session.promise(chain)
+    assert promised == pytest.approx(0.6 + 0.36)
+    assert before[0] > 0
+    for _ in range(200):  # the rounds accept nothing of what their estimates promised
+        session.calibration.observe(promised, 0, CONFIG)
+    assert recent.fresh().calibration.factor == pytest.approx(0.0, abs=0.05)
+    assert best_shape(session, 4, SPEC, KNEE_20) == (0, 0)  # in no session, whatever its rates
+    for _ in range(200):  # the promises come true again
+        session.calibration.observe(promised, 1, CONFIG)
+    assert recent.fresh().calibration.factor == pytest.approx(1 / promised, rel=0.05)
+    assert best_shape(session, 4, SPEC, KNEE_20) == before
+
+
+def test_rates_learn_trees_from_trees_and_chains_from_every_spine():
+    learnt = Rates.prior(CONFIG)
+    for _ in range(20):  # trees that are accepted through their second branches
+        learnt.observe(RoundShape(depth=3, spine=3, nodes=8), 3, 0, CONFIG)
+    assert learnt.tree.rate > 0.95 and learnt.chain.rate < 0.05
+    for _ in range(20):  # chains, fully accepted: the tree's estimate keeps what it had
+        learnt.observe(RoundShape(depth=3, spine=3, nodes=3), 3, 3, CONFIG)
+    assert learnt.tree.rate > 0.95 and learnt.chain.rate > 0.95
 
 
 def test_the_cost_fit_learns_a_line_and_keeps_the_prior_split_without_spread():
@@ -118,9 +173,9 @@ def test_the_cost_fit_follows_a_target_that_changes():
 
 @pytest.mark.parametrize("sessions", [1, 16])
 def test_speculation_backs_off_and_probes_once_a_batch_of_probe_every(sessions):
-    acceptance = Acceptance(accepted=0.05, rejected=0.95)
+    poor = rates(0.02)  # below the 1 / 21 that one more token costs a round at S = 1
     period = CONFIG.probe_every * sessions  # a batch of S sessions carries one probe in 4
-    specs = [adapt(SPEC, acceptance, sessions, KNEE_20, CONFIG) for _ in range(2 * period)]
+    specs = [adapt(SPEC, poor, sessions, KNEE_20, CONFIG) for _ in range(2 * period)]
     probes = [i for i, s in enumerate(specs) if s is not None]
     assert probes == [period - 1, 2 * period - 1]
     assert all(specs[i].depth == 1 and specs[i].budget == 1 for i in probes)  # one node
@@ -167,11 +222,13 @@ def test_a_new_session_starts_from_the_recent_acceptance():
         def session_id(self, key, index):
             return f"s{index}"
 
-    recent = Acceptance(accepted=0.1, rejected=0.9, rounds_off=3)
+    recent = rates(0.1, chain=0.2)
+    recent.rounds_off = 3
     plan = Plan([1, 2, 3], 8, SamplingParams(), SPEC, frozenset())
     speculation = Speculation(Router(), plan, Metrics(), None, 0, LoopOptions(CONFIG), recent)
-    assert speculation.acceptance.rate == pytest.approx(0.1)
-    assert speculation.acceptance is not recent and speculation.acceptance.rounds_off == 0
+    own = speculation.rates
+    assert own.tree.rate == pytest.approx(0.1) and own.chain.rate == pytest.approx(0.2)
+    assert own.tree is not recent.tree and own.chain is not recent.chain and own.rounds_off == 0
 
 
 def drafted_per_round(tiny_dir, tiny_draft_dir, delay: float, token_delay: float) -> float:
