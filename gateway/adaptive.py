@@ -33,9 +33,9 @@ N(D), at the trees' acceptance) or a chain D deep (N = D, at the spines'
 acceptance: a tree's spine, each node's first child, is the draft's best
 path, so every tree round also measures what a chain would have accepted).
 Where tokens are dear a chain often pays and the tree does not: the other
-branches rarely catch what the spine misses. D = 0 turns speculation off for the round
-(it does not pay: a slow or compute-bound target, low acceptance, many
-sessions). A session that has not drafted for `probe_every` times S rounds
+branches rarely catch what the spine misses. D = 0 turns speculation off
+for the round (it does not pay: a slow or compute-bound target, low
+acceptance, many sessions). A session that has not drafted for `probe_every` times S rounds
 drafts one node (a probe), so its estimate can recover when the text turns
 copyable. The period grows with S because the target batches the S
 sessions' rounds: a probe's node costs the whole batch its forward time and,
@@ -51,9 +51,9 @@ with S, with alpha and with the target's measured cost per token, down to
 plain decoding; and grows where a round's fixed cost dominates (a GPU, a
 slow network).
 
-Acceptance estimates (`Rates`: one for trees, one for spines): a round that
-accepted `a` tokens of a path `d` deep
-either stopped on a rejection (a < d) or used up the path (a == d, censored).
+Acceptance estimates (`Rates`: one for trees, one for spines): a round
+that accepted `a` tokens of a path `d` deep either stopped on a rejection
+(a < d) or used up the path (a == d, censored).
 For a geometric run length the maximum-likelihood alpha is sum(a) /
 (sum(a) + rejections); both sums are exponentially weighted (weight `ewma`
 for the newest round). A new session starts from the same estimate kept
@@ -293,8 +293,8 @@ def best_shape(rates: Rates, sessions: int, spec: TreeSpec, cost: RoundCost) -> 
     shapes = [(0, 0, 0.0)]  # (depth, nodes, acceptance)
     for d in range(1, spec.depth + 1):
         shapes.append((d, d, rates.chain.rate))
-        if tree_nodes(spec, d) > d:
-            shapes.append((d, tree_nodes(spec, d), rates.tree.rate))
+        if (nodes := tree_nodes(spec, d)) > d:
+            shapes.append((d, nodes, rates.tree.rate))
 
     def speed(shape: tuple[int, int, float]) -> float:
         d, n, rate = shape
