@@ -6,10 +6,10 @@ import csv
 
 import pytest
 
-from workers.tools.bench import report
+from workers.tools.bench import report, suite
 from workers.tools.bench.measure import Figures, Timed, histogram_quantile, percentile
 from workers.tools.bench.serving import ServeConfig, spread_tokens
-from workers.tools.bench.suite import BenchSettings, Result, Run, serve_configs
+from workers.tools.bench.suite import BenchSettings, Result, Run, serve_configs, serve_points
 from workers.tools.bench.workloads import WORKLOADS, messages, warm_up
 
 
@@ -118,3 +118,60 @@ def test_targets_are_judged_from_the_figures():
     assert targets["grounded, model draft, 1 stream vs transformers assisted ≥ 1.0×"].met is None
     gateway = targets["gateway overhead per round, p50 ≤ 2 ms (worst 1-stream row)"]
     assert gateway.met and gateway.reached == "0.80 ms"
+
+
+def test_rows_take_turns_at_each_point_and_the_median_serve_stands(monkeypatch):
+    s = BenchSettings(
+        streams="1,16", sweep_rows="off,ngram-tree-adaptive", sweep_workload="chat", repeats=3
+    )
+    configs = serve_configs(s)
+    rows = [configs["off"], configs["ngram-tree-adaptive"], configs["ngram-chain"]]
+    workloads = {"chat": messages("chat", 2)}
+    assert serve_points(s, rows[0], workloads) == [("chat", 1), ("chat", 16)]
+    assert serve_points(s, rows[2], workloads) == [("chat", 1)]  # not swept
+
+    served: list[tuple[str, int, int]] = []  # (row, streams, the serve's max sessions)
+    # one stream: off 5, 3, 8; the tree 1, 2, 7; the chain 9, 4, 6 (row after row, three
+    # turns); 16 streams: off 11, 12, 15; the tree 10, 13, 14
+    speeds = iter([5.0, 1.0, 9.0, 3.0, 2.0, 4.0, 8.0, 7.0, 6.0, 11.0, 10.0, 12.0, 13.0, 15.0, 14.0])
+
+    class FakeServe:
+        url = "http://fake"
+
+        def __init__(self, config, model, draft, sessions, knee, threads):
+            self.sessions = sessions
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    async def warm(*args):
+        return [], 0.0
+
+    def fake_measure(run, serve, config, workload, n, conversations, count_tokens):
+        served.append((config.name, n, serve.sessions))
+        f = Figures.of([timed(0.0, [(1.0, 4)])], 1.0)
+        f.tok_s_total = next(speeds)
+        same = len(served) != 13  # the tree's second turn at 16 streams differs
+        return Result(config.name, config.name, workload, n, f, same)
+
+    monkeypatch.setattr(suite, "Serve", FakeServe)
+    monkeypatch.setattr(suite, "run_streams", warm)
+    monkeypatch.setattr(suite, "measure", fake_measure)
+    run = Run(s, "test machine", "", (0.0, 0.0, 0.0))
+    suite.run_serves(run, rows, workloads, None, lambda text: {"input_ids": []})
+    turns = ["off", "ngram-tree-adaptive", "ngram-chain"]
+    assert [(r, n) for r, n, _ in served] == [(r, 1) for r in turns * 3] + [
+        (r, 16) for r in turns[:2] * 3
+    ]
+    assert {r: m for r, _, m in served} == {"off": 16, "ngram-tree-adaptive": 16, "ngram-chain": 8}
+    medians = {(r.row, r.streams): (r.figures.tok_s_total, r.same) for r in run.results}
+    assert medians == {
+        ("off", 1): (5.0, True),
+        ("ngram-tree-adaptive", 1): (2.0, True),
+        ("ngram-chain", 1): (6.0, True),
+        ("off", 16): (12.0, True),
+        ("ngram-tree-adaptive", 16): (13.0, False),  # every turn's text is checked
+    }

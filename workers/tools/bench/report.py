@@ -177,6 +177,13 @@ def sweep_point(run: Run, row: str, streams: int) -> float | None:
     return r.figures.tok_s_total if r else None
 
 
+def turns(s) -> str:
+    """How the SpecSplit rows shared each point, in words ('' for one serve each)."""
+    if s.repeats == 1:
+        return ""
+    return f" ({s.repeats} serves each, rows taking turns; the median by tok/s shown)"
+
+
 def markdown(run: Run) -> str:
     s = run.settings
     lines = [
@@ -186,9 +193,9 @@ def markdown(run: Run) -> str:
         f"load average at start {run.started_load[0]:.2f} / {run.started_load[1]:.2f} / "
         f"{run.started_load[2]:.2f} (1/5/15 min). Target {s.target_model}, fp32, greedy, "
         f"at most {s.max_tokens} new tokens per request. Model draft: {run.draft or '-'}. "
-        f"Workloads: {workloads(s)}. SpecSplit rows: `specsplit serve` per row, workers with "
-        f"{s.worker_threads or 'the default number of'} torch thread(s), streamed over HTTP "
-        f"with httpx. The run took {run.seconds / 60:.1f} min.",
+        f"Workloads: {workloads(s)}. SpecSplit rows: `specsplit serve` per row and point"
+        f"{turns(s)}, workers with {s.worker_threads or 'the default number of'} torch "
+        f"thread(s), streamed over HTTP with httpx. The run took {run.seconds / 60:.1f} min.",
         "",
         "## One stream",
         "",

@@ -26,7 +26,9 @@ sends streaming chat completions with httpx. Workloads (workloads.py):
 first --humaneval problems), `chat` and `shared-system` (chat after one long
 system prompt). One stream runs each workload's prompts one after the other;
 the sweep runs the --sweep-rows at each of --streams concurrent streams on
---sweep-workload.
+--sweep-workload. At each point the rows take turns, --repeats times (a
+fresh serve each time), and the serve with the median tok/s stands for its
+row: a slow minute of the machine then falls on every row alike.
 Greedy everywhere, and every row's text is checked against
 `hf-generate`'s (or, without it, the first row's).
 
@@ -96,6 +98,12 @@ class BenchSettings(BaseSettings):
         "default. 1 leaves the second core of a 2-core machine to the gateway and client",
     )
     knee_tokens: float = Field(32.0, ge=0, description="--adaptive-knee-tokens of the serves")
+    repeats: int = Field(
+        1,
+        ge=1,
+        description="serves per SpecSplit row and point, the rows taking turns at each point; "
+        "the serve with the median tok/s stands for its row there",
+    )
     out: Path = Field(Path("bench/results"), description="where CSV, Markdown and PNG go")
 
     def names(self, value: str) -> list[str]:
@@ -179,8 +187,7 @@ def run_suite(s: BenchSettings) -> Run:
     if hf_rows:  # the reference first: hf-generate is the text every row must match
         run_hf(run, hf_rows, workloads, target_dir, draft_dir, tokenizer)
         gc.collect()
-    for name in [r for r in rows if r not in HF_ROWS]:
-        run_serve(run, configs[name], workloads, draft_dir, tokenizer)
+    run_serves(run, [configs[r] for r in rows if r not in HF_ROWS], workloads, draft_dir, tokenizer)
     run.seconds = time.perf_counter() - started
     return run
 
@@ -226,30 +233,59 @@ def run_hf(run: Run, rows: list[str], workloads, target_dir, draft_dir, tokenize
             print(report.progress(result), flush=True)
 
 
-def run_serve(run: Run, config: ServeConfig, workloads, draft_dir, tokenizer) -> None:
+def serve_points(s: BenchSettings, config: ServeConfig, workloads) -> list[tuple[str, int]]:
+    """The (workload, streams) points a SpecSplit row measures: one stream on every
+    workload, and the sweep's other stream counts on the sweep workload for a swept row."""
+    points = [(workload, 1) for workload in workloads]
+    if config.name in s.names(s.sweep_rows) and s.sweep_workload in workloads:
+        points += [(s.sweep_workload, int(n)) for n in s.names(s.streams) if int(n) != 1]
+    return points
+
+
+def run_serves(run: Run, configs: list[ServeConfig], workloads, draft_dir, tokenizer) -> None:
+    """Every SpecSplit row at each of its points. At a point the rows take turns, each
+    `repeats` times, so that a slow minute of the machine falls on every row alike; the
+    serve with the median tok/s stands for its row there."""
     s = run.settings
 
     def count_tokens(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    sweep = config.name in s.names(s.sweep_rows)
-    streams = [int(n) for n in s.names(s.streams)]
-    most = max(streams) if sweep else 1
-    points = [(workload, 1) for workload in workloads]
-    if sweep and s.sweep_workload in workloads:  # one stream is the point measured above
-        points += [(s.sweep_workload, n) for n in streams if n != 1]
-    sessions = max(8, most)
-    for workload, n in points:
-        with Serve(
-            config, s.target_model, draft_dir, sessions, s.knee_tokens, s.worker_threads
-        ) as serve:
-            greeting = warm_up(workloads[workload])
-            asyncio.run(run_streams(serve.url, [greeting], 1, 1, 8, count_tokens))
-            measure(run, serve, config, workload, n, workloads[workload], count_tokens)
+    points = {c.name: serve_points(s, c, workloads) for c in configs}
+    order = list(dict.fromkeys(p for c in configs for p in points[c.name]))
+    for workload, n in order:
+        rows = [c for c in configs if (workload, n) in points[c.name]]
+        tried: dict[str, list[Result]] = {c.name: [] for c in rows}
+        for _ in range(s.repeats):
+            for config in rows:
+                # the workers hold every session of the row's largest point
+                most = max(streams for _, streams in points[config.name])
+                with Serve(
+                    config,
+                    s.target_model,
+                    draft_dir,
+                    max(8, most),
+                    s.knee_tokens,
+                    s.worker_threads,
+                ) as serve:
+                    greeting = warm_up(workloads[workload])
+                    asyncio.run(run_streams(serve.url, [greeting], 1, 1, 8, count_tokens))
+                    conversations = workloads[workload]
+                    result = measure(run, serve, config, workload, n, conversations, count_tokens)
+                    tried[config.name].append(result)
+        for config in rows:
+            results = sorted(tried[config.name], key=lambda r: r.figures.tok_s_total)
+            median = results[len(results) // 2]
+            median.same = all(r.same for r in results)
+            run.results.append(median)
+            if s.repeats > 1:
+                print(f"median of {s.repeats}: {report.progress(median)}", flush=True)
 
 
-def measure(run: Run, serve: Serve, config, workload: str, n: int, conversations, count_tokens):
-    """Sends the workload's conversations over `n` streams; records and prints the result."""
+def measure(
+    run: Run, serve: Serve, config, workload: str, n: int, conversations, count_tokens
+) -> Result:
+    """Sends the workload's conversations over `n` streams; prints and returns the result."""
     s = run.settings
     per_stream = max(1, math.ceil(len(conversations) / n))
     before = phase_buckets(serve.url)
@@ -268,8 +304,8 @@ def measure(run: Run, serve: Serve, config, workload: str, n: int, conversations
         p50,
         load_average()[0],
     )
-    run.results.append(result)
     print(report.progress(result), flush=True)
+    return result
 
 
 def _ms(seconds: float | None) -> float | None:
