@@ -252,19 +252,19 @@ def run_serves(run: Run, configs: list[ServeConfig], workloads, draft_dir, token
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     points = {c.name: serve_points(s, c, workloads) for c in configs}
+    # a row's workers hold every session of its largest point
+    sessions = {name: max(8, *(n for _, n in row)) for name, row in points.items()}
     order = list(dict.fromkeys(p for c in configs for p in points[c.name]))
     for workload, n in order:
         rows = [c for c in configs if (workload, n) in points[c.name]]
         tried: dict[str, list[Result]] = {c.name: [] for c in rows}
         for _ in range(s.repeats):
             for config in rows:
-                # the workers hold every session of the row's largest point
-                most = max(streams for _, streams in points[config.name])
                 with Serve(
                     config,
                     s.target_model,
                     draft_dir,
-                    max(8, most),
+                    sessions[config.name],
                     s.knee_tokens,
                     s.worker_threads,
                 ) as serve:
