@@ -249,7 +249,7 @@ class Rates:
 
     def promise(self, round_: RoundShape) -> float:
         """Draft tokens these rates expect a round of that shape to accept."""
-        rate = self.chain.rate if round_.nodes <= round_.spine else self.tree.rate
+        rate = self.chain.rate if round_.is_chain else self.tree.rate
         return expected_tokens(rate, round_.depth) - 1.0
 
     def observe(
@@ -257,7 +257,7 @@ class Rates:
     ) -> None:
         """One verified round: `accepted` tokens of the tree, `spine_accepted` of its spine."""
         self.chain.observe(spine_accepted, round_.spine, config)
-        if round_.nodes > round_.spine:  # a tree, not a chain
+        if not round_.is_chain:
             self.tree.observe(accepted, round_.depth, config)
 
 
@@ -268,6 +268,11 @@ class RoundShape:
     depth: int
     spine: int
     nodes: int
+
+    @property
+    def is_chain(self) -> bool:
+        """Every node on the spine: the round measured a chain, not a tree."""
+        return self.nodes <= self.spine
 
 
 def expected_tokens(rate: float, depth: int) -> float:
