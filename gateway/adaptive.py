@@ -56,9 +56,10 @@ that accepted `a` tokens of a path `d` deep either stopped on a rejection
 (a < d) or used up the path (a == d, censored).
 For a geometric run length the maximum-likelihood alpha is sum(a) /
 (sum(a) + rejections); both sums are exponentially weighted (weight `ewma`
-for the newest round). A new session starts from the same estimate kept
-over every session's rounds (the gateway's recent acceptance with this
-draft), or from `prior_rate` before the first round. A session drafts when
+for the newest round). Until it has drafted a round of its own, a session
+follows the estimate kept over every session's rounds (the gateway's recent
+acceptance with this draft; `prior_rate` before any round), so sessions that
+start together learn from each other's first rounds. A session drafts when
 its recent rounds went well, and the rounds after a good streak accept less
 than it promised, most on open-ended text: the expected accepted tokens,
 E(D) - 1, are scaled by what drafted rounds accepted against what their
@@ -237,6 +238,7 @@ class Rates:
     chain: Acceptance
     rounds_off: int = 0  # rounds in a row decoded without a draft
     calibration: Calibration = field(default_factory=Calibration)  # every session's
+    measured: int = 0  # drafted rounds observed
 
     @classmethod
     def prior(cls, config: AdaptiveConfig) -> Rates:
@@ -247,6 +249,13 @@ class Rates:
         calibration (kept over every session's rounds)."""
         return Rates(replace(self.tree), replace(self.chain), calibration=self.calibration)
 
+    def follow(self, recent: Rates) -> None:
+        """Until it has drafted a round, a session's estimates are every session's latest:
+        sessions that start together would otherwise each draft on the estimate of their
+        start (the prior, in a fresh gateway) until they had rounds of their own."""
+        if not self.measured:
+            self.tree, self.chain = replace(recent.tree), replace(recent.chain)
+
     def promise(self, round_: RoundShape) -> float:
         """Draft tokens these rates expect a round of that shape to accept."""
         rate = self.chain.rate if round_.is_chain else self.tree.rate
@@ -256,6 +265,7 @@ class Rates:
         self, round_: RoundShape, accepted: int, spine_accepted: int, config: AdaptiveConfig
     ) -> None:
         """One verified round: `accepted` tokens of the tree, `spine_accepted` of its spine."""
+        self.measured += 1
         self.chain.observe(spine_accepted, round_.spine, config)
         if not round_.is_chain:
             self.tree.observe(accepted, round_.depth, config)

@@ -180,6 +180,12 @@ class Speculation(Loop):
         params = self.state.plan.params
         if self.options.adaptive is None or (params.seed is not None and not params.greedy):
             return spec
+        # the round that feeds the prompt drafts nothing: no round has measured the session
+        # yet, and tree nodes would make its forward, and so its first token, later
+        if self.target.held < len(self.history):
+            return None
+        if self.recent is not None:
+            self.rates.follow(self.recent)
         return adapt(spec, self.rates, self.load, self.round_cost, self.options.adaptive)
 
     @property

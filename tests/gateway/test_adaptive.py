@@ -212,7 +212,8 @@ def test_adaptive_trees_do_not_change_the_output(greedy_texts):
     assert sum(s["accepted_tokens"] for s in stats) > 0
 
 
-def test_a_new_session_starts_from_the_recent_acceptance():
+def session(recent: Rates):
+    """A session's Speculation (no workers bound) that starts from `recent`."""
     from gateway.metrics import Metrics
     from gateway.speculation import LoopOptions, Speculation
     from workers.loop import Plan
@@ -222,13 +223,39 @@ def test_a_new_session_starts_from_the_recent_acceptance():
         def session_id(self, key, index):
             return f"s{index}"
 
+    plan = Plan([1, 2, 3], 8, SamplingParams(), SPEC, frozenset())
+    return Speculation(Router(), plan, Metrics(), None, 0, LoopOptions(CONFIG), recent)
+
+
+def test_a_new_session_starts_from_the_recent_acceptance():
     recent = rates(0.1, chain=0.2)
     recent.rounds_off = 3
-    plan = Plan([1, 2, 3], 8, SamplingParams(), SPEC, frozenset())
-    speculation = Speculation(Router(), plan, Metrics(), None, 0, LoopOptions(CONFIG), recent)
-    own = speculation.rates
+    own = session(recent).rates
     assert own.tree.rate == pytest.approx(0.1) and own.chain.rate == pytest.approx(0.2)
     assert own.tree is not recent.tree and own.chain is not recent.chain and own.rounds_off == 0
+
+
+def test_a_session_drafts_nothing_while_it_feeds_its_prompt():
+    speculation = session(rates(0.9))
+    assert speculation.shape(SPEC) is None  # the first round feeds the prompt
+    speculation.target.held = len(speculation.history)
+    assert speculation.shape(SPEC) is not None
+
+
+def test_a_session_follows_every_sessions_estimate_until_it_has_drafted():
+    recent = rates(0.02)
+    speculation = session(recent)
+    speculation.target.held = len(speculation.history)
+    assert speculation.shape(SPEC) is None  # alpha 0.02 does not pay
+    recent.observe(RoundShape(12, 12, 12), 12, 12, CONFIG)  # other sessions' rounds went well
+    recent.observe(RoundShape(12, 12, 12), 12, 12, CONFIG)
+    spec = speculation.shape(SPEC)
+    assert spec is not None and speculation.rates.chain.rate == recent.chain.rate
+    speculation.rates.observe(RoundShape(1, 1, 1), 0, 0, CONFIG)  # its own round
+    own = speculation.rates.chain.rate
+    recent.observe(RoundShape(12, 12, 12), 12, 12, CONFIG)
+    speculation.shape(SPEC)
+    assert speculation.rates.chain.rate == own != recent.chain.rate
 
 
 def drafted_per_round(tiny_dir, tiny_draft_dir, delay: float, token_delay: float) -> float:
