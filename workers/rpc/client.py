@@ -11,12 +11,15 @@ workers/rpc/security.py), reconnecting within a second or two of a
 worker (re)starting. Every failed call raises a workers.protocol error
 (workers/rpc/status.py): SessionLost, WorkerBusy, InvalidCall, or WorkerDown
 for anything else (unreachable, deadline, internal, a dropped connection).
+The Verify calls of one event-loop turn go out as one VerifyBatch
+(workers/rpc/coalesce.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,12 +33,14 @@ from workers.protocol import (
     VerifyCall,
     VerifyOutcome,
     WorkerDown,
+    WorkerError,
     WorkerInfo,
     as_worker_error,
 )
 from workers.rpc import convert
+from workers.rpc.coalesce import Coalescer, Unbatched
 from workers.rpc.security import ClientSecurity
-from workers.rpc.status import error_of
+from workers.rpc.status import code_numbered, error_from, error_of
 from workers.speculation.tree import TokenTree
 
 # reconnect within a second or two of a worker (re)starting, not after gRPC's default
@@ -54,7 +59,7 @@ STUBS = {"draft": pb_grpc.DraftServiceStub, "target": pb_grpc.TargetServiceStub}
 class Wire:
     """Bytes a client put on and took off the wire (serialized messages, no framing)."""
 
-    calls: int = 0
+    calls: int = 0  # the sessions' calls (a VerifyBatch counts those it carries)
     request_bytes: int = 0
     response_bytes: int = 0
 
@@ -82,8 +87,10 @@ class GrpcBackend:
         self.stub = STUBS[role](self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.wire = Wire()
+        self.verifies = Coalescer(partial(self.call, "Verify"), self.verify_batch)
 
-    async def call(self, method: str, request):
+    async def call(self, method: str, request, calls: int = 1):
+        """One call of `method`; `calls`: the sessions' calls it carries (a VerifyBatch)."""
         try:
             response = await getattr(self.stub, method)(
                 request, timeout=self.timeout_s, metadata=self.metadata
@@ -94,7 +101,7 @@ class GrpcBackend:
             raise
         except Exception as error:  # noqa: BLE001 - a closed channel, a bad message, ...
             raise WorkerDown(f"{type(error).__name__}: {error}") from error
-        self.wire.calls += 1
+        self.wire.calls += calls
         self.wire.request_bytes += request.ByteSize()
         self.wire.response_bytes += response.ByteSize()
         return response
@@ -111,7 +118,27 @@ class GrpcBackend:
     async def verify(self, call: VerifyCall) -> VerifyOutcome:
         if self.role != "target":
             raise InvalidCall("a draft worker does not verify")
-        return convert.verify_outcome(await self.call("Verify", convert.verify_request(call)))
+        return convert.verify_outcome(await self.verifies.verify(convert.verify_request(call)))
+
+    async def verify_batch(
+        self, requests: list[pb.VerifyRequest]
+    ) -> list[pb.VerifyResponse | WorkerError]:
+        """Several sessions' calls in one (workers/rpc/coalesce.py)."""
+        try:
+            batch = pb.VerifyBatchRequest(calls=requests)
+            response = await self.call("VerifyBatch", batch, len(requests))
+        except WorkerDown as error:
+            if isinstance(error.__cause__, grpc.aio.AioRpcError) and (
+                error.__cause__.code() == grpc.StatusCode.UNIMPLEMENTED
+            ):
+                raise Unbatched from error
+            raise
+        return [
+            result.response
+            if result.HasField("response")
+            else error_from(code_numbered(result.error.code), result.error.details)
+            for result in response.results
+        ]
 
     async def end(self, session_id: str) -> bool:
         response = await self.call("EndSession", pb.EndSessionRequest(session_id=session_id))

@@ -5,15 +5,20 @@ against the worker's limit and fitted to the session's cache) -> the batcher,
 which hands the calls of all sessions to one runner step on the engine
 thread (`propose(calls)` for a drafter, `verify(calls)` for the target) ->
 response. Errors are raised as the runners raise them; the interceptor
-(workers/rpc/status.py) maps them to status codes.
+(workers/rpc/status.py) maps them to status codes. VerifyBatch submits its
+calls side by side and answers each with its response or its error's status;
+each is also counted as a Verify call.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING
+
+import grpc
 
 from proto.specsplit.v1 import specsplit_pb2 as pb
 from proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
@@ -26,6 +31,7 @@ from workers.rpc import convert
 from workers.rpc.batcher import Batcher, EngineThread
 from workers.rpc.metrics import MeteredEngine, WorkerMetrics
 from workers.rpc.server import WorkerServer
+from workers.rpc.status import answer
 from workers.target.runner import TargetRunner
 
 if TYPE_CHECKING:
@@ -101,12 +107,14 @@ class WorkerServicer(pb_grpc.DraftServiceServicer, pb_grpc.TargetServiceServicer
         thread: EngineThread,
         max_tree_nodes: int,
         cache_len: int = 0,
+        on_call: Callable[[str, str], None] = lambda method, code: None,
     ):
         self.runner = runner
         self.batcher = batcher
         self.thread = thread
         self.max_tree_nodes = max_tree_nodes
         self.cache_len = cache_len  # a model draft's entries per session slot; 0 = no cache
+        self.on_call = on_call  # (method, status code name) of each call a VerifyBatch carried
 
     async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
         call = convert.propose_call(request)
@@ -120,6 +128,24 @@ class WorkerServicer(pb_grpc.DraftServiceServicer, pb_grpc.TargetServiceServicer
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
         outcome, timings = await self.batcher.submit(convert.verify_call(request))
         return convert.verify_response(replace(outcome, timings=timings))
+
+    async def VerifyBatch(self, request: pb.VerifyBatchRequest, context) -> pb.VerifyBatchResponse:
+        answers = await asyncio.gather(
+            *(self.Verify(call, context) for call in request.calls), return_exceptions=True
+        )
+        results = []
+        for answered in answers:
+            if isinstance(answered, asyncio.CancelledError):
+                raise answered
+            if isinstance(answered, BaseException):
+                code, details = answer(answered, "Verify")
+                error = pb.CallError(code=code.value[0], details=details)
+                results.append(pb.VerifyResult(error=error))
+            else:
+                code = grpc.StatusCode.OK
+                results.append(pb.VerifyResult(response=answered))
+            self.on_call("Verify", code.name)
+        return pb.VerifyBatchResponse(results=results)
 
     async def EndSession(self, request: pb.EndSessionRequest, context) -> pb.EndSessionResponse:
         found = await self.thread.run(self.runner.end, request.session_id)
@@ -166,7 +192,9 @@ async def serve_role(role: Role, engine: Engine | None, settings: WorkerSettings
         held_sessions=lambda: runner.table.sessions.keys(),
         fed=(lambda: metrics.fed_tokens) if engine is not None else None,
     )
-    servicer = WorkerServicer(runner, batcher, thread, settings.max_tree_nodes, cache_len)
+    servicer = WorkerServicer(
+        runner, batcher, thread, settings.max_tree_nodes, cache_len, metrics.observe_request
+    )
     service = SERVICES[role]
     return await WorkerServer.start(
         role,

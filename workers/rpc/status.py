@@ -46,10 +46,30 @@ def details_of(error: BaseException, code: grpc.StatusCode) -> str:
     return str(error)
 
 
+def answer(error: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status and details a runner's exception is answered with; an unexpected one (a
+    bug) is logged."""
+    code = status_of(error)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("%s failed", method, exc_info=error)
+    return code, details_of(error, code)
+
+
+NUMBERED = {code.value[0]: code for code in grpc.StatusCode}  # google.rpc.Code numbers
+
+
+def code_numbered(number: int) -> grpc.StatusCode:
+    return NUMBERED.get(number, grpc.StatusCode.UNKNOWN)
+
+
 def error_of(error: grpc.aio.AioRpcError) -> WorkerError:
-    """The worker error a failed call's status stands for: UNAVAILABLE (the process is gone),
+    """The worker error a failed call's status stands for."""
+    return error_from(error.code(), error.details() or "")
+
+
+def error_from(code: grpc.StatusCode, details: str) -> WorkerError:
+    """The worker error a status stands for: UNAVAILABLE (the process is gone),
     DEADLINE_EXCEEDED, INTERNAL, a dropped connection and the rest are WorkerDown."""
-    code, details = error.code(), error.details() or ""
     kind = next((kind for kind, known in CODES.items() if known == code), None)
     if kind is None:
         return WorkerDown(f"{code.name}: {details}")
@@ -100,10 +120,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 code = aborted if isinstance(aborted, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
                 raise
             except Exception as error:  # noqa: BLE001 - every error becomes a status
-                code = status_of(error)
-                if code == grpc.StatusCode.INTERNAL:
-                    log.exception("%s failed", method)
-                await context.abort(code, details_of(error, code))
+                code, details = answer(error, method)
+                await context.abort(code, details)
             finally:
                 self.inflight -= 1
                 if not self.inflight:

@@ -204,6 +204,11 @@ class TargetServiceStub:
                 request_serializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyBatch = channel.unary_unary(
+                '/specsplit.v1.TargetService/VerifyBatch',
+                request_serializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchRequest.SerializeToString,
+                response_deserializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchResponse.FromString,
+                _registered_method=True)
         self.EndSession = channel.unary_unary(
                 '/specsplit.v1.TargetService/EndSession',
                 request_serializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.EndSessionRequest.SerializeToString,
@@ -230,6 +235,16 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyBatch(self, request, context):
+        """Several sessions' Verify calls in one message, each answered on its own, in
+        order: a response or the status its Verify call would have failed with. The
+        gateway sends the calls its sessions make in one turn of its event loop this
+        way: one call's handling on either side instead of one per session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def EndSession(self, request, context):
         """Frees the session's cache slot; ending an unknown session is not an error.
         """
@@ -251,6 +266,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyRequest.FromString,
                     response_serializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyBatch,
+                    request_deserializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchRequest.FromString,
+                    response_serializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchResponse.SerializeToString,
             ),
             'EndSession': grpc.unary_unary_rpc_method_handler(
                     servicer.EndSession,
@@ -291,6 +311,33 @@ class TargetService:
             '/specsplit.v1.TargetService/Verify',
             proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyRequest.SerializeToString,
             proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specsplit.v1.TargetService/VerifyBatch',
+            proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchRequest.SerializeToString,
+            proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
