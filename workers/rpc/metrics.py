@@ -107,7 +107,8 @@ class WorkerMetrics:
         ).labels(role)
         self.requests = Counter(
             "specsplit_worker_requests",
-            "Finished calls by method and gRPC status code",
+            "Finished calls by method and gRPC status code (each call a VerifyBatch carried "
+            "counts as a Verify call too)",
             ["role", "method", "code"],
             registry=r,
         )
