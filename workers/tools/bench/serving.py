@@ -4,8 +4,9 @@
 process, the target and any draft as gRPC worker processes) and waits for its
 ready line; `Serve` is one with a configuration's tree flags. `stream_chat`
 sends one streaming chat completion with httpx and times its chunks;
-`run_streams` keeps N streams busy, each sending its requests one after the
-other. `histogram_buckets` reads one of the gateway's histograms from /metrics."""
+`run_streams` keeps N requests running at once, each stream taking the next
+request of one queue when its last one finished. `histogram_buckets` reads one
+of the gateway's histograms from /metrics."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,33 +229,42 @@ async def run_streams(
     max_tokens: int,
     count_tokens,
 ) -> tuple[list[Timed], float]:
-    """`streams` clients, each sending `requests_per_stream` requests back to back.
+    """`streams` clients sending `streams * requests_per_stream` requests between them.
 
-    Stream i sends conversations i, i + streams, ... (cycled). Each request is a tenant
-    of its own (a fresh Bearer key; the bench's serves accept any): the streams repeat
-    the prompts, and the suffix cache a tenant's requests share would copy the earlier
-    answers to the same prompt (`specsplit bench suffix` measures that gain on purpose).
-    Returns every request's timing, in (stream, request) order, and the wall time."""
+    Request j asks conversation j (cycled). The requests form one queue, and each
+    client takes the next as soon as its last one finished, as vLLM's
+    `benchmark_serving --max-concurrency` does: `streams` requests run at once until
+    the queue is empty, and the wave ends at most one request after the others. (With
+    a fixed share per client, a client whose requests went fast would sit idle while
+    the others finished theirs, and the wave would end on the slowest share: that
+    measured how unevenly a configuration speeds requests, not its throughput.) Each
+    request is a tenant of its own (a fresh Bearer key; the bench's serves accept any):
+    the requests repeat the prompts, and the suffix cache a tenant's requests share
+    would copy the earlier answers to the same prompt (`specsplit bench suffix`
+    measures that gain on purpose). Returns every request's timing, in request order,
+    and the wall time."""
     limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
     timeout = httpx.Timeout(600.0)
+    total = streams * requests_per_stream
+    queue = deque(range(total))
+    timings: list[Timed | None] = [None] * total
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
 
-        async def stream(i: int) -> list[Timed]:
-            out = []
-            for r in range(requests_per_stream):
-                key = (i + r * streams) % len(conversations)
+        async def stream() -> None:
+            while queue:
+                j = queue.popleft()
+                key = j % len(conversations)
                 messages, api_key = conversations[key], secrets.token_hex(8)
                 timed = await stream_chat(
                     client, url, messages, max_tokens, count_tokens, api_key=api_key
                 )
                 timed.key = key
-                out.append(timed)
-            return out
+                timings[j] = timed
 
         start = time.perf_counter()
-        results = await asyncio.gather(*(stream(i) for i in range(streams)))
+        await asyncio.gather(*(stream() for _ in range(streams)))
         wall = time.perf_counter() - start
-    return [t for r in results for t in r], wall
+    return [t for t in timings if t is not None], wall
 
 
 def worker_rss_mib(serve: ServeProcess) -> dict[int, float]:

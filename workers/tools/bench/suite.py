@@ -26,7 +26,8 @@ sends streaming chat completions with httpx. Workloads (workloads.py):
 first --humaneval problems), `chat` and `shared-system` (chat after one long
 system prompt). One stream runs each workload's prompts one after the other;
 the sweep runs the --sweep-rows at each of --streams concurrent streams on
---sweep-workload. At each point the rows take turns, --repeats times (a
+--sweep-workload, the streams taking the prompts from one queue
+(`serving.run_streams`). At each point the rows take turns, --repeats times (a
 fresh serve each time), and the serve with the median tok/s stands for its
 row: a slow minute of the machine then falls on every row alike.
 Greedy everywhere, and every row's text is checked against
