@@ -39,6 +39,8 @@ def _check_parents(parents: torch.Tensor) -> None:
             f"shape={tuple(parents.shape)}"
         )
     n = parents.shape[0]
+    if n == 0:  # nothing to check (a round without a draft: every round, with speculation off)
+        return
     index = torch.arange(n, device=parents.device)  # (N,)
     bad = (parents < -1) | (parents >= index)  # (N,)
     if bad.any():
@@ -113,8 +115,8 @@ class TokenTree:
     @classmethod
     def empty(cls) -> TokenTree:
         """A tree with no draft nodes: verification then emits one target token."""
-        none = torch.empty(0, dtype=torch.long)  # (0,)
-        return cls(tokens=none, parents=none.clone())
+        none = torch.empty(0, dtype=torch.long)  # (0,): holds nothing, so both may share it
+        return cls(tokens=none, parents=none)
 
     @classmethod
     def chain(cls, tokens: Sequence[int] | torch.Tensor) -> TokenTree:
