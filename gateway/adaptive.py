@@ -252,9 +252,10 @@ class Rates:
     def follow(self, recent: Rates) -> None:
         """Until it has drafted a round, a session's estimates are every session's latest:
         sessions that start together would otherwise each draft on the estimate of their
-        start (the prior, in a fresh gateway) until they had rounds of their own."""
+        start (the prior, in a fresh gateway) until they had rounds of their own. They are
+        shared, read only, until the session's first round (`observe` copies them then)."""
         if not self.measured:
-            self.tree, self.chain = replace(recent.tree), replace(recent.chain)
+            self.tree, self.chain = recent.tree, recent.chain
 
     def promise(self, round_: RoundShape) -> float:
         """Draft tokens these rates expect a round of that shape to accept."""
@@ -265,6 +266,8 @@ class Rates:
         self, round_: RoundShape, accepted: int, spine_accepted: int, config: AdaptiveConfig
     ) -> None:
         """One verified round: `accepted` tokens of the tree, `spine_accepted` of its spine."""
+        if not self.measured:  # its own from now on, no longer every session's (`follow`)
+            self.tree, self.chain = replace(self.tree), replace(self.chain)
         self.measured += 1
         self.chain.observe(spine_accepted, round_.spine, config)
         if not round_.is_chain:
@@ -300,10 +303,30 @@ def tree_nodes(spec: TreeSpec, depth: int) -> int:
     return max(depth, min(spec.budget, round(depth * per_level)))
 
 
+def can_pay(rates: Rates, sessions: int, cost: RoundCost) -> bool:
+    """Whether any draft could beat plain decoding: an upper bound on every shape's speed
+    (the most a path of any depth gains, alpha / (1 - alpha) at the better of the two
+    rates, over the cheapest drafting round: one node, one level) against no draft's.
+    Most rounds of a busy target end here, so they skip weighing every shape."""
+    rate = min(max(rates.tree.rate, rates.chain.rate), 0.999)
+    most = 1.0 + rates.calibration.factor * rate / (1.0 - rate)
+    return most * cost.seconds(sessions, 0) > cost.seconds(2 * sessions, 1)
+
+
 def best_shape(rates: Rates, sessions: int, spec: TreeSpec, cost: RoundCost) -> tuple[int, int]:
-    """The (depth, nodes) with the most tokens per second of round time: the configured
-    shape cut to a depth (at the trees' acceptance) or a chain as deep (at the spines');
-    (0, 0) = no speculation. Ties go to fewer nodes, then to the shallower."""
+    """The (depth, nodes) with the most tokens per second of round time (`weigh_shapes`);
+    (0, 0) = no speculation, at once where no draft can pay (`can_pay`)."""
+    s = max(1, sessions)
+    if not can_pay(rates, s, cost):
+        return 0, 0
+    return weigh_shapes(rates, s, spec, cost)
+
+
+def weigh_shapes(rates: Rates, sessions: int, spec: TreeSpec, cost: RoundCost) -> tuple[int, int]:
+    """The (depth, nodes) with the most tokens per second of round time, every shape
+    weighed: the configured shape cut to a depth (at the trees' acceptance) or a chain as
+    deep (at the spines'); (0, 0) = no speculation. Ties go to fewer nodes, then to the
+    shallower."""
     s = max(1, sessions)
     shapes = [(0, 0, 0.0)]  # (depth, nodes, acceptance)
     for d in range(1, spec.depth + 1):

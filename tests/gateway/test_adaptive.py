@@ -3,12 +3,15 @@ and never changes output."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from openai import OpenAI
 
 from gateway.adaptive import (
     Acceptance,
     AdaptiveConfig,
+    Calibration,
     CostFit,
     Rates,
     RoundCost,
@@ -16,6 +19,7 @@ from gateway.adaptive import (
     adapt,
     best_shape,
     expected_tokens,
+    weigh_shapes,
 )
 from tests.gateway.helpers import MODEL, live, model_draft, slow_target, target
 from workers.protocol import TreeSpec
@@ -75,6 +79,20 @@ def test_a_tree_costs_its_nodes_and_a_draft_its_levels():
     assert nodes > tree_depth and tree_depth < best_depth(0.8, 4, CHAIN, KNEE_20)
     slow_draft = RoundCost(20.0, 1.0, level_s=10.0)
     assert best_depth(0.8, 1, CHAIN, slow_draft) < best_depth(0.8, 1, CHAIN, KNEE_20)
+
+
+def test_rounds_where_no_draft_can_pay_skip_weighing_shapes_and_choose_the_same():
+    rng = random.Random(15)
+    skipped = 0
+    for _ in range(3000):
+        estimates = rates(rng.random() ** 2, rng.random() ** 2)
+        estimates.calibration = Calibration(promised=1.0, accepted=rng.uniform(0.1, 1.5))
+        cost = RoundCost(rng.uniform(0, 60), rng.uniform(0.01, 5), rng.choice([0, rng.random()]))
+        sessions, spec = rng.choice([1, 2, 8, 32, 64]), rng.choice([SPEC, CHAIN])
+        chosen = best_shape(estimates, sessions, spec, cost)
+        assert chosen == weigh_shapes(estimates, sessions, spec, cost)
+        skipped += chosen == (0, 0)
+    assert 300 < skipped < 2700  # both kinds of round were drawn
 
 
 def test_adapt_keeps_the_shape_within_the_configured_tree():
