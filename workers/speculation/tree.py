@@ -19,6 +19,7 @@ was deterministic and each node's distribution is one-hot on its own token.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -113,8 +114,10 @@ class TokenTree:
         return self.q_tokens is not None
 
     @classmethod
+    @functools.cache
     def empty(cls) -> TokenTree:
-        """A tree with no draft nodes: verification then emits one target token."""
+        """A tree with no draft nodes: verification then emits one target token. Every
+        round without a draft takes one, so there is one: it holds nothing to change."""
         none = torch.empty(0, dtype=torch.long)  # (0,): holds nothing, so both may share it
         return cls(tokens=none, parents=none)
 
