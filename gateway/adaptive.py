@@ -14,8 +14,7 @@ Both sides are estimated per round:
   its batch's forward fed (cached prompt blocks are not fed) and the call's
   seconds (the gateway's wall time less the time it queued on the worker);
   the calls of one batch share one forward, so each weighs 1 / the batch's
-  calls. The prompt tokens among them (which cost less, and no draft decides)
-  get a term of their own, c per token. Before a target has answered, a / b is
+  calls. Before a target has answered, a / b is
   `knee_tokens` (`--adaptive-knee-tokens`). The fit is an exponentially
   weighted least-squares line, pulled towards that prior ratio with the
   weight of `prior_weight` rounds, so rounds that all feed the same number
@@ -71,8 +70,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import numpy as np
-
 from workers.protocol import TreeSpec
 
 
@@ -126,83 +123,54 @@ class RoundCost:
 
 @dataclass
 class CostFit:
-    """A target's round cost, fitted online to its rounds: a + b*n + c*p seconds for a batch
-    that fed n tokens it read logits for (decodes, tree nodes) and p prompt tokens.
+    """A target's round cost a + b*n, fitted online to (tokens fed, seconds) of its rounds.
 
-    Only a + b*n prices a round's tree: a draft decides n, never p. Prompt tokens
-    need a term of their own all the same: they cost less than logit tokens (no
-    LM head, larger products), and fitted as n they would flatten the line and
-    price tree nodes low wherever new requests keep arriving.
-
-    Exponentially weighted least squares over x = (1, n, p) (the recursive form
-    keeps the sums of w x x' and w x t), regularised towards the line through
-    the data's mean with a / b = knee_tokens and c = b. Two pseudo-rounds of
-    total weight `prior_weight` on that line lie one token either side of the
-    mean in n: a fraction of one round one token off the mean, so any spread in
-    the rounds' sizes outweighs them, and only rounds that all feed the same
-    tokens keep the prior's a / b. Two more, of that weight each, swap the mean
-    prompt's tokens for logit tokens either way: a session's prompt round then
-    tells its next rounds what a token costs, as it did when prompt tokens
-    were fitted as logit tokens, while rounds with and without prompts pull c
-    apart from b. A CPU's prompt tokens cost about 0.75 b; with a prompt in one
-    round of three the fit then puts b within a tenth of the truth, where
-    fitting prompts as logit tokens priced it a fifth low.
+    Exponentially weighted least squares (the recursive form keeps five sums),
+    regularised towards the line through the data's mean with a / b =
+    knee_tokens: pseudo-rounds of total weight `prior_weight` on that line,
+    one token either side of the mean. They weigh like a fraction of one
+    round one token off the mean, so any spread in the rounds' sizes
+    outweighs them, and only rounds that all feed the same tokens keep the
+    prior's split of their cost.
     """
 
-    # (3, 4): sum of w * x (x, t), x = (1, n, p)
-    sums: np.ndarray = field(default_factory=lambda: np.zeros((3, 4)))
-    # the last solved line, and the rounds observed since: the calls of one batch come in
-    # one after another, each asking for the line, and one forward's worth refits it
-    solved: RoundCost | None = None
-    unsolved: float = 0.0
-
-    @property
-    def weight(self) -> float:
-        """The rounds observed, exponentially weighted (0: none)."""
-        return float(self.sums[0, 0])
+    weight: float = 0.0  # sum of w
+    tokens: float = 0.0  # sum of w * n
+    tokens2: float = 0.0  # sum of w * n^2
+    seconds: float = 0.0  # sum of w * t
+    product: float = 0.0  # sum of w * n * t
 
     def observe(
-        self,
-        tokens: int,
-        seconds: float,
-        config: AdaptiveConfig,
-        share: float = 1.0,
-        prompt: int = 0,
+        self, tokens: int, seconds: float, config: AdaptiveConfig, share: float = 1.0
     ) -> None:
-        """One call's round: its batch fed `tokens` in `seconds`, `prompt` of them prompt
-        tokens. The calls of one batch report the same forward; each weighs `share` of a
-        round (1 / the batch's calls), so a forward counts once, however many sessions it
-        served."""
-        if tokens <= 0 or seconds <= 0 or share <= 0 or not 0 <= prompt <= tokens:
+        """One call's round: its batch fed `tokens` in `seconds`. The calls of one batch
+        report the same forward; each weighs `share` of a round (1 / the batch's calls), so
+        a forward counts once, however many sessions it served."""
+        if tokens <= 0 or seconds <= 0 or share <= 0:
             return
-        x = np.array([1.0, tokens - prompt, prompt])  # (3,)
         keep = (1.0 - config.cost_ewma) ** share
-        self.sums = keep * self.sums + share * np.outer(x, np.append(x, seconds))
-        self.unsolved += share
+        self.weight = keep * self.weight + share
+        self.tokens = keep * self.tokens + share * tokens
+        self.tokens2 = keep * self.tokens2 + share * tokens * tokens
+        self.seconds = keep * self.seconds + share * seconds
+        self.product = keep * self.product + share * tokens * seconds
 
     def line(self, config: AdaptiveConfig) -> RoundCost:
-        """The fitted cost of a round of logit tokens, refitted once a forward's worth of
-        rounds came in; the prior (in token units) before any round."""
+        """The fitted cost; the prior (in token units) before any round."""
         if self.weight <= 0:
             return RoundCost.prior(config)
-        if self.solved is None or self.unsolved >= 1.0 - 1e-9:
-            self.solved, self.unsolved = self.solve(config), 0.0
-        return self.solved
-
-    def solve(self, config: AdaptiveConfig) -> RoundCost:
-        """The least-squares line of the rounds so far and the pseudo-rounds."""
         knee = config.knee_tokens
-        mean_n, mean_p, mean_t = self.sums[0, 1:] / self.weight
-        prior_b = mean_t / (knee + mean_n + mean_p)  # the prior line through the data's mean
-        sums = self.sums.copy()
-        swap = max(1.0, mean_p)
-        for dn, dp, share in ((-1, 0, 0.5), (1, 0, 0.5), (swap, -swap, 1.0), (-swap, swap, 1.0)):
-            x = np.array([1.0, mean_n + dn, mean_p + dp])  # (3,)
-            t = prior_b * (knee + x[1] + x[2])
-            sums += config.prior_weight * share * np.outer(x, np.append(x, t))
-        a, b, _ = np.linalg.solve(sums[:, :3], sums[:, 3])  # the pseudo-rounds span x
-        b = max(float(b), 1e-3 * prior_b)  # a round never gets cheaper with more tokens
-        return RoundCost(max(float(a), 0.0), b)
+        mean_n, mean_t = self.tokens / self.weight, self.seconds / self.weight
+        prior_b = mean_t / (knee + mean_n)  # the prior line through the data's mean
+        w, n, n2, t, nt = self.weight, self.tokens, self.tokens2, self.seconds, self.product
+        for pn in (mean_n - 1.0, mean_n + 1.0):
+            pw, pt = config.prior_weight / 2, prior_b * (knee + pn)
+            w, n, n2, t, nt = w + pw, n + pw * pn, n2 + pw * pn * pn, t + pw * pt, nt + pw * pn * pt
+        det = w * n2 - n * n  # > 0: the two pseudo-rounds differ in n
+        b = (w * nt - n * t) / det
+        a = (t - b * n) / w
+        b = max(b, 1e-3 * prior_b)  # a round never gets cheaper with more tokens
+        return RoundCost(max(a, 0.0), b)
 
 
 @dataclass

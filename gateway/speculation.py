@@ -164,7 +164,7 @@ class Speculation(Loop):
         self.recent = recent  # every session's rounds; a new session starts from it
         self.rates = (recent or Rates.prior(self.config)).fresh()
         self.level_s = 0.0  # the draft's recent seconds per tree level (exponentially weighted)
-        self.sent = 0  # history tokens the last verify call sent (0: a round after a round)
+        self.fed = 0  # tokens the last verify call fed (its history and tree, the root)
         self.outcome: VerifyOutcome | None = None  # the last verify's, with the worker's timings
         self.lookahead: Lookahead | None = None
         self.phases = (0.0, 0.0)  # the last round's draft and verify seconds
@@ -274,7 +274,7 @@ class Speculation(Loop):
     # --- metrics, acceptance and cost ------------------------------------------------------
 
     async def verify(self, tree: TokenTree) -> VerifyOutcome:
-        self.sent = len(self.history) - self.target.held
+        self.fed = len(self.history) - self.target.held + len(tree) + 1
         self.outcome = await super().verify(tree)
         return self.outcome
 
@@ -297,7 +297,7 @@ class Speculation(Loop):
         if self.route.drafts:
             self.metrics.round_phase.labels("draft").observe(draft_s)
         self.metrics.round_phase.labels("verify").observe(verify_s)
-        self.observe_cost(verify_s, len(tree))
+        self.observe_cost(verify_s)
         if len(tree):
             path_depth = int(depths(tree.parents).max())
             best = spine(tree)
@@ -320,25 +320,20 @@ class Speculation(Loop):
         if len(tree) and self.drafter == "hybrid":
             self.metrics.observe_hybrid(self.local_nodes, len(tree) - self.local_nodes)
 
-    def observe_cost(self, verify_s: float, nodes: int) -> None:
+    def observe_cost(self, verify_s: float) -> None:
         """Teaches the target's cost fit this round: its batch's tokens and seconds.
 
-        A served worker reports the tokens its batch fed, how many of them were prompt
-        tokens and how long the call queued; an in-process one reports nothing, so the
-        call's own tokens and wall time stand in.
+        A served worker reports the tokens its batch fed and how long the call
+        queued; an in-process one reports nothing, so the call's own tokens and
+        wall time stand in.
         """
         worker, outcome = self.target.worker, self.outcome
         if worker is None or outcome is None:
             return
         timings = outcome.timings
-        if timings.batch_tokens:
-            tokens, prompt = timings.batch_tokens, timings.prompt_tokens
-        else:  # its pending history and tree; the last history token is the root
-            prompt = max(0, self.sent - outcome.prefix_hit - 1)
-            tokens = prompt + nodes + 1
+        tokens = timings.batch_tokens or self.fed - outcome.prefix_hit
         share = 1.0 / max(1, timings.batch_size)
-        seconds = verify_s - timings.queue_ns / 1e9
-        worker.cost.observe(tokens, seconds, self.config, share, prompt)
+        worker.cost.observe(tokens, verify_s - timings.queue_ns / 1e9, self.config, share)
 
     def after_emit(self, seconds: float) -> None:
         self.metrics.round_phase.labels("gateway").observe(seconds)

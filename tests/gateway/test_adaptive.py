@@ -164,35 +164,6 @@ def test_the_cost_fit_learns_a_line_and_keeps_the_prior_split_without_spread():
     assert line.fixed_s / line.token_s == pytest.approx(CONFIG.knee_tokens, rel=0.01)
 
 
-def test_prompt_tokens_do_not_flatten_the_slope_of_the_tokens_a_tree_adds():
-    # a CPU target at 32 sessions: a token it reads logits for costs 3 ms, a prompt token
-    # 2.4 ms; one batch in three also feeds a new session's prompt
-    rounds = [(n, p) for n in [32, 40, 29, 55, 32, 64] for p in [0, 0, 130, 0, 47, 0]] * 5
-    fit, flat = CostFit(), CostFit()  # flat: the prompts taken for logit tokens
-    for n, p in rounds:
-        seconds = 0.035 + 0.003 * n + 0.0024 * p
-        fit.observe(n + p, seconds, CONFIG, prompt=p)
-        flat.observe(n + p, seconds, CONFIG)
-    line, flat_line = fit.line(CONFIG), flat.line(CONFIG)
-    assert line.token_s == pytest.approx(0.003, rel=0.1)  # the prior's c = b pulls it a little
-    assert flat_line.token_s < 0.0026  # tree nodes priced a fifth low
-    knee = 0.035 / 0.003
-    assert (
-        abs(line.fixed_s / line.token_s - knee)
-        < abs(flat_line.fixed_s / flat_line.token_s - knee) / 2
-    )
-
-
-def test_a_prompt_costs_as_its_tokens_until_rounds_tell_them_apart():
-    # a target whose round costs 200 ms whatever it feeds: the session's prompt round and
-    # its first drafting round already show that tokens cost nothing
-    fit = CostFit()
-    fit.observe(10, 0.200, CONFIG, prompt=9)
-    fit.observe(7, 0.200, CONFIG)
-    line = fit.line(CONFIG)
-    assert line.fixed_s / line.token_s > 2 * CONFIG.knee_tokens
-
-
 def test_a_forward_counts_once_whatever_the_calls_it_served():
     sizes = [(8, 0.030), (9, 0.031), (40, 0.060), (8, 0.029), (12, 0.035)] * 10
     once, per_call = CostFit(), CostFit()

@@ -132,7 +132,6 @@ class Timings:
     forward_ns: int = 0  # the batch's model work, shared by its calls
     batch_size: int = 0  # calls in that batch
     batch_tokens: int = 0  # tokens its forward fed, cached prompt blocks not (0 = not reported)
-    prompt_tokens: int = 0  # of those, fed for no logits (a prompt's tokens before its last)
 
 
 @dataclass(frozen=True)

@@ -75,14 +75,6 @@ class BatchReport:
     forward_ns: int  # the step's duration
 
 
-@dataclass(frozen=True)
-class Fed:
-    """Tokens a worker's forwards have fed so far (running totals)."""
-
-    tokens: int = 0  # all of them, after the prefix cache's hits
-    prompt: int = 0  # of those, fed for no logits (a prompt's tokens before its last)
-
-
 @dataclass
 class _Queued(Generic[C]):
     call: C
@@ -107,7 +99,7 @@ class Batcher(Generic[C, R]):
         max_tokens: int = 2048,
         on_batch: Callable[[BatchReport], None] = lambda report: None,
         held_sessions: Callable[[], Collection[str]] | None = None,
-        fed: Callable[[], Fed] | None = None,
+        fed: Callable[[], int] | None = None,
     ):
         self.step = step  # the runner's batched method; one result or exception per call
         self.thread = thread
@@ -120,10 +112,9 @@ class Batcher(Generic[C, R]):
         # the sessions the worker holds (None: unknown); a session of the previous step that
         # it no longer holds (ended) is not waited for
         self.held_sessions = held_sessions
-        # the tokens the worker's forwards have fed so far: a step's Timings report what its
-        # forwards fed, after the prefix cache's hits and without the chunks of a long
-        # prompt left for later, and how many of them were prompt tokens. None: the calls'
-        # summed cost, prompt tokens not told
+        # the tokens the worker's forwards have fed so far (a running total): a step's
+        # Timings report what its forwards fed, after the prefix cache's hits and without
+        # the chunks of a long prompt left for later. None: the calls' summed cost
         self.fed = fed
         self.batches = 0  # steps run
         self.largest = 0  # most calls in one step
@@ -238,7 +229,7 @@ class Batcher(Generic[C, R]):
 
     async def _step(self, batch: list[_Queued[C]]) -> None:
         start = time.perf_counter_ns()
-        fed_before = self.fed() if self.fed is not None else Fed()
+        fed_before = self.fed() if self.fed is not None else 0
         try:
             results = await self.thread.run(self.step, [q.call for q in batch])
         except Exception as error:  # noqa: BLE001 - the whole step failed: every call gets it
@@ -257,15 +248,14 @@ class Batcher(Generic[C, R]):
         if again:
             self._ready.set()
         cost = sum(q.cost for q in batch)
-        fed = self.fed() if self.fed is not None else Fed(cost)
-        tokens, prompt = fed.tokens - fed_before.tokens, fed.prompt - fed_before.prompt
+        tokens = self.fed() - fed_before if self.fed is not None else cost
         for q, result in zip(batch, results, strict=True):
             if q.future.done() or result is UNFINISHED:
                 continue
             if isinstance(result, Exception):
                 q.future.set_exception(result)
             else:
-                timings = Timings(start - q.arrived_ns, forward_ns, len(batch), tokens, prompt)
+                timings = Timings(start - q.arrived_ns, forward_ns, len(batch), tokens)
                 q.future.set_result((result, timings))
         queue_ns = [start - q.arrived_ns for q in batch]
         self.on_batch(BatchReport(len(batch), cost, queue_ns, forward_ns))

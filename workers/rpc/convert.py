@@ -153,14 +153,11 @@ def timings_to_proto(t: Timings) -> pb.Timings:
         forward_ns=t.forward_ns,
         batch_size=t.batch_size,
         batch_tokens=t.batch_tokens,
-        batch_prompt_tokens=t.prompt_tokens,
     )
 
 
 def timings_from_proto(msg: pb.Timings) -> Timings:
-    return Timings(
-        msg.queue_ns, msg.forward_ns, msg.batch_size, msg.batch_tokens, msg.batch_prompt_tokens
-    )
+    return Timings(msg.queue_ns, msg.forward_ns, msg.batch_size, msg.batch_tokens)
 
 
 def _session_id(msg) -> str:

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from proto.specsplit.v1 import specsplit_pb2 as pb
 from workers.engine.batch import SlotInput
 from workers.engine.sessions import SessionTable
-from workers.rpc.batcher import BatchReport, Fed
+from workers.rpc.batcher import BatchReport
 from workers.rpc.status import CODES
 
 SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -74,7 +74,7 @@ class SessionCollector(Collector):
 class WorkerMetrics:
     def __init__(self, role: str):
         self.role = role
-        self.fed = Fed()  # tokens the engine's forwards have fed, all told
+        self.fed_tokens = 0  # tokens the engine's forwards have fed, all told
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["role"]
         self.batch_size = Histogram(
@@ -130,8 +130,7 @@ class WorkerMetrics:
 
     def observe_forward(self, rows: list[SlotInput]) -> None:
         tokens = sum(len(r.tokens) for r in rows)
-        prompt = sum(max(0, len(r.tokens) - r.logits_for) for r in rows)
-        self.fed = Fed(self.fed.tokens + tokens, self.fed.prompt + prompt)
+        self.fed_tokens += tokens
         self.tokens_per_forward.observe(tokens)
 
     def serve(self, host: str, port: int):

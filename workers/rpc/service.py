@@ -190,7 +190,7 @@ async def serve_role(role: Role, engine: Engine | None, settings: WorkerSettings
         max_tokens=settings.max_batch_tokens,
         on_batch=metrics.observe_batch,
         held_sessions=lambda: runner.table.sessions.keys(),
-        fed=(lambda: metrics.fed) if engine is not None else None,
+        fed=(lambda: metrics.fed_tokens) if engine is not None else None,
     )
     servicer = WorkerServicer(
         runner, batcher, thread, settings.max_tree_nodes, cache_len, metrics.observe_request
