@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from workers.speculation import children, depths, ngram_tree
+from workers.speculation.ngram import match_length
 
 
 def as_lists(tree) -> tuple[list[int], list[int]]:
@@ -42,6 +43,14 @@ def test_longest_ngram_wins():
     assert ngram_tree(history, max_ngram=3, depth=1).tokens.tolist() == [4]
     both = ngram_tree(history, max_ngram=1, depth=1).tokens.tolist()
     assert both == [4, 8]  # with n = 1 both occurrences, most recent first
+
+
+def test_the_match_length_is_the_suffix_the_tree_copies_after():
+    history = [3, 8, 1, 2, 3, 4, 5, 1, 2, 3]
+    assert match_length(history) == 3
+    assert match_length(history, max_ngram=1) == 1
+    assert match_length([5, 7, 9, 5]) == 1  # (9, 5) never occurred: only 5 did
+    assert match_length([1, 2, 3, 4]) == match_length([7]) == match_length([]) == 0
 
 
 def test_no_match_and_degenerate_inputs_give_empty_tree():

@@ -28,20 +28,23 @@ import torch
 
 from workers.speculation.tree import TokenTree
 
+MAX_NGRAM = 3  # the longest suffix matched
+WINDOW = 4096  # the last tokens searched
 RECENCY_DECAY = 0.7  # vote of a match relative to the next more recent one
 COPY_PROB = 0.8  # chance that a copied run goes on for one more token
 SHARED_WEIGHT = 0.5  # vote of another request's continuation relative to the session's own
 
 
-def _continuations(
-    history: list[int], max_ngram: int, min_ngram: int, depth: int, max_matches: int
-) -> list[list[int]]:
-    """Up to ``depth`` tokens after each earlier occurrence of the longest matching suffix.
+def _longest_match(history: list[int], max_ngram: int, min_ngram: int) -> tuple[int, list[int]]:
+    """The longest suffix n-gram that occurred before, and where those occurrences end.
 
     n runs from max_ngram down to min_ngram and stops at the first n with a
-    match. Occurrences are listed most recent first and must be followed by at
-    least one token (so the suffix itself never matches). O(len(history)).
+    match; (0, []) when none has. Occurrences are listed most recent first and
+    must be followed by at least one token (so the suffix itself never
+    matches). O(len(history)).
     """
+    if len(history) < 2:
+        return 0, []
     last = history[-1]
     # end positions of candidate occurrences, most recent first
     ends = [e for e in range(len(history) - 2, -1, -1) if history[e] == last]
@@ -49,18 +52,26 @@ def _continuations(
         suffix = history[-n:]
         found = [e for e in ends if e >= n - 1 and history[e - n + 1 : e + 1] == suffix]
         if found:
-            return [history[e + 1 : e + 1 + depth] for e in found[:max_matches]]
-    return []
+            return n, found
+    return 0, []
+
+
+def match_length(
+    history: Sequence[int], max_ngram: int = MAX_NGRAM, min_ngram: int = 1, window: int = WINDOW
+) -> int:
+    """The n of the suffix `ngram_tree` copies after (0: no match): a long match predicts a
+    copied run far better than a one-token one (the gateway keeps acceptance per n)."""
+    return _longest_match(list(history[-window:]), max_ngram, min_ngram)[0]
 
 
 def ngram_tree(
     history: Sequence[int] | torch.Tensor,
-    max_ngram: int = 3,
+    max_ngram: int = MAX_NGRAM,
     min_ngram: int = 1,
     depth: int = 8,
     budget: int = 16,
     max_matches: int = 8,
-    window: int = 4096,
+    window: int = WINDOW,
     chain: bool = False,
     shared: Sequence[Sequence[int]] = (),
 ) -> TokenTree:
@@ -95,7 +106,8 @@ def ngram_tree(
     hist = hist[-window:]
     if budget == 0:
         return TokenTree.empty()
-    own = _continuations(hist, max_ngram, min_ngram, depth, max_matches) if len(hist) >= 2 else []
+    _, ends = _longest_match(hist, max_ngram, min_ngram)
+    own = [hist[e + 1 : e + 1 + depth] for e in ends[:max_matches]]
     voted = [(cont, RECENCY_DECAY**rank) for rank, cont in enumerate(own)]
     voted += [
         (list(cont[:depth]), SHARED_WEIGHT * RECENCY_DECAY**rank)
