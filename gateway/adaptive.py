@@ -42,12 +42,7 @@ sessions' rounds: a probe's node costs the whole batch its forward time and,
 fed beside one-token decodes, a second attention call
 (workers/engine/batch.py), and S sessions probing every 8th round would put
 about S/8 probes in every forward. This way a batch carries about one probe
-every `probe_every` forwards, whatever S. A session with an n-gram draft
-never probes: the gateway looks up the tree it would have drafted and scores
-it against the tokens the target emits (a shadow draft, gateway.shadow), at
-no target cost; and its rounds are told apart by how long a suffix the lookup
-matched (`RatesByMatch`), which predicts a copied run far better than the
-session's last rounds do.
+every `probe_every` forwards, whatever S.
 
 This is what vLLM's and TGI's fixed speculation lacks: at high load the
 forward is compute-bound, extra tree nodes cost as much as real tokens, and a
@@ -76,7 +71,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from workers.protocol import TreeSpec
-from workers.speculation.ngram import MAX_NGRAM
 
 
 @dataclass(frozen=True)
@@ -90,10 +84,6 @@ class AdaptiveConfig:
     cost_ewma: float = 0.05  # weight of the newest round in a target's cost fit
     prior_weight: float = 1.0  # rounds' worth of belief in knee_tokens once a target is measured
     calibration_ewma: float = 0.02  # weight of the newest drafted round in the calibration
-    # a draft must promise this much more speed than none: what the cost line leaves out (a
-    # drafting round's gateway time, which the batch waits for; the second attention call
-    # of a batch that mixes trees with one-token decodes)
-    margin: float = 0.1
 
     def __post_init__(self):
         if self.knee_tokens < 0 or not 0 < self.ewma <= 1 or not 0 <= self.prior_rate < 1:
@@ -107,12 +97,10 @@ class AdaptiveConfig:
             not 0 < self.cost_ewma <= 1
             or self.prior_weight <= 0
             or not 0 < self.calibration_ewma <= 1
-            or self.margin < 0
         ):
             raise ValueError(
-                "need 0 < cost_ewma <= 1, prior_weight > 0, 0 < calibration_ewma <= 1, "
-                f"margin >= 0; got {self.cost_ewma}, {self.prior_weight}, "
-                f"{self.calibration_ewma}, {self.margin}"
+                f"need 0 < cost_ewma <= 1, prior_weight > 0, 0 < calibration_ewma <= 1; got "
+                f"{self.cost_ewma}, {self.prior_weight}, {self.calibration_ewma}"
             )
 
 
@@ -286,32 +274,6 @@ class Rates:
             self.tree.observe(accepted, round_.depth, config)
 
 
-@dataclass
-class RatesByMatch:
-    """Rates per kind of round: an n-gram draft's rounds by the length of the suffix its
-    lookup matched (0: none, up to workers.speculation.ngram.MAX_NGRAM), any other draft's
-    all of kind 0.
-
-    How long a suffix matched predicts what the copied run accepts far better than a
-    session's last rounds do: on the chat set's greedy replies a 1-token match's first
-    token was accepted 15% of the time and a 3-token match's 78% (bench/RESULTS.md), so
-    a session drafts after the matches that pay and not after the others.
-    """
-
-    kinds: list[Rates]
-
-    @classmethod
-    def prior(cls, config: AdaptiveConfig) -> RatesByMatch:
-        return cls([Rates.prior(config) for _ in range(MAX_NGRAM + 1)])
-
-    def fresh(self) -> RatesByMatch:
-        """A new session's: a copy of each kind's (`Rates.fresh`)."""
-        return RatesByMatch([rates.fresh() for rates in self.kinds])
-
-    def __getitem__(self, kind: int) -> Rates:
-        return self.kinds[kind]
-
-
 @dataclass(frozen=True)
 class RoundShape:
     """A drafted tree's size: its depth, its spine's length and its nodes."""
@@ -341,34 +303,30 @@ def tree_nodes(spec: TreeSpec, depth: int) -> int:
     return max(depth, min(spec.budget, round(depth * per_level)))
 
 
-def can_pay(rates: Rates, sessions: int, cost: RoundCost, margin: float = 0.0) -> bool:
-    """Whether any draft could beat plain decoding by `margin`: an upper bound on every
-    shape's speed (the most a path of any depth gains, alpha / (1 - alpha) at the better of
-    the two rates, over the cheapest drafting round: one node, one level) against no
-    draft's. Most rounds of a busy target end here, so they skip weighing every shape."""
+def can_pay(rates: Rates, sessions: int, cost: RoundCost) -> bool:
+    """Whether any draft could beat plain decoding: an upper bound on every shape's speed
+    (the most a path of any depth gains, alpha / (1 - alpha) at the better of the two
+    rates, over the cheapest drafting round: one node, one level) against no draft's.
+    Most rounds of a busy target end here, so they skip weighing every shape."""
     rate = min(max(rates.tree.rate, rates.chain.rate), 0.999)
     most = 1.0 + rates.calibration.factor * rate / (1.0 - rate)
-    return most * cost.seconds(sessions, 0) > (1.0 + margin) * cost.seconds(2 * sessions, 1)
+    return most * cost.seconds(sessions, 0) > cost.seconds(2 * sessions, 1)
 
 
-def best_shape(
-    rates: Rates, sessions: int, spec: TreeSpec, cost: RoundCost, margin: float = 0.0
-) -> tuple[int, int]:
+def best_shape(rates: Rates, sessions: int, spec: TreeSpec, cost: RoundCost) -> tuple[int, int]:
     """The (depth, nodes) with the most tokens per second of round time (`weigh_shapes`);
     (0, 0) = no speculation, at once where no draft can pay (`can_pay`)."""
     s = max(1, sessions)
-    if not can_pay(rates, s, cost, margin):
+    if not can_pay(rates, s, cost):
         return 0, 0
-    return weigh_shapes(rates, s, spec, cost, margin)
+    return weigh_shapes(rates, s, spec, cost)
 
 
-def weigh_shapes(
-    rates: Rates, sessions: int, spec: TreeSpec, cost: RoundCost, margin: float = 0.0
-) -> tuple[int, int]:
+def weigh_shapes(rates: Rates, sessions: int, spec: TreeSpec, cost: RoundCost) -> tuple[int, int]:
     """The (depth, nodes) with the most tokens per second of round time, every shape
     weighed: the configured shape cut to a depth (at the trees' acceptance) or a chain as
-    deep (at the spines'); (0, 0) = no speculation, which a draft must beat by `margin`.
-    Ties go to fewer nodes, then to the shallower."""
+    deep (at the spines'); (0, 0) = no speculation. Ties go to fewer nodes, then to the
+    shallower."""
     s = max(1, sessions)
     shapes = [(0, 0, 0.0)]  # (depth, nodes, acceptance)
     for d in range(1, spec.depth + 1):
@@ -379,8 +337,7 @@ def weigh_shapes(
     def speed(shape: tuple[int, int, float]) -> float:
         d, n, rate = shape
         gain = min(d, rates.calibration.factor * (expected_tokens(rate, d) - 1.0))
-        handicap = 1.0 + margin if d else 1.0
-        return (1.0 + gain) / (handicap * cost.seconds(s * (1 + n), d))
+        return (1.0 + gain) / cost.seconds(s * (1 + n), d)
 
     d, n, _ = max(shapes, key=lambda shape: (speed(shape), -shape[1], -shape[0]))
     return d, n
@@ -392,24 +349,22 @@ def adapt(
     sessions: int,
     cost: RoundCost,
     config: AdaptiveConfig,
-    probes: bool = True,
 ) -> TreeSpec | None:
     """This round's tree within `spec` (the largest allowed), or None for no speculation.
 
     `sessions` is the number of live sessions on the target this session uses,
-    `cost` that target's round cost. Without `probes` a session that does not draft
-    never drafts a probe (it learns its acceptance otherwise: gateway.shadow).
+    `cost` that target's round cost.
     """
     if spec.depth <= 0 or spec.budget <= 0:
         return None
-    depth, nodes = best_shape(rates, sessions, spec, cost, config.margin)
+    depth, nodes = best_shape(rates, sessions, spec, cost)
     if depth > 0:
         rates.rounds_off = 0
         if nodes == depth:
             return replace(spec, depth=depth, branching=1, budget=depth)
         return replace(spec, depth=depth, budget=nodes)
     rates.rounds_off += 1
-    if not probes or rates.rounds_off < config.probe_every * max(1, sessions):
+    if rates.rounds_off < config.probe_every * max(1, sessions):
         return None
     rates.rounds_off = 0
     return replace(spec, depth=1, branching=1, budget=1)  # a probe: one node keeps it alive

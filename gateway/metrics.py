@@ -115,16 +115,6 @@ class Metrics:
         self.accepted_tokens = Counter(
             "specsplit_accepted_tokens", "Draft tree nodes the target accepted", registry=r
         )
-        self.shadow_draft_tokens = Counter(
-            "specsplit_shadow_draft_tokens",
-            "Nodes of the trees an n-gram draft would have proposed in rounds that drafted none",
-            registry=r,
-        )
-        self.shadow_accepted_tokens = Counter(
-            "specsplit_shadow_accepted_tokens",
-            "Tokens a verify of those trees would have accepted (the target's output decides)",
-            registry=r,
-        )
         self.verify_steps = Counter(
             "specsplit_verify_steps", "Target verify calls that committed a round", registry=r
         )
@@ -253,11 +243,6 @@ class Metrics:
         if prefix_hit > 0:
             self.prefix_cache_hits.inc()
             self.prefix_cache_hit_tokens.inc(prefix_hit)
-
-    def observe_shadow(self, nodes: int, accepted: int) -> None:
-        """A shadow draft, scored (gateway.shadow)."""
-        self.shadow_draft_tokens.inc(nodes)
-        self.shadow_accepted_tokens.inc(accepted)
 
     def observe_hybrid(self, ngram_nodes: int, model_nodes: int) -> None:
         """A hybrid round's tree: its nodes from the n-gram part and those the model added."""

@@ -32,13 +32,12 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from gateway.adaptive import AdaptiveConfig, RatesByMatch, RoundCost, RoundShape, adapt
+from gateway.adaptive import AdaptiveConfig, Rates, RoundCost, RoundShape, adapt
 from gateway.errors import APIError
 from gateway.hangs import Hung
 from gateway.metrics import Metrics
 from gateway.overlap import Lookahead
 from gateway.pool import Pool, Router, Worker, prompt_blocks
-from gateway.shadow import Shadow
 from workers.draft.ngram import lookup_tree
 from workers.draft.suffix import SuffixCache
 from workers.engine.sessions import common_prefix
@@ -52,7 +51,6 @@ from workers.protocol import (
     WorkerBusy,
     WorkerError,
 )
-from workers.speculation.ngram import match_length
 from workers.speculation.tree import TokenTree, depths, spine
 
 T = TypeVar("T")
@@ -147,7 +145,7 @@ class Speculation(Loop):
         affinity: str | None = None,
         index: int = 0,
         options: LoopOptions = LoopOptions(),
-        recent: RatesByMatch | None = None,
+        recent: Rates | None = None,
         method: str = "auto",
         suffixes: SuffixCache | None = None,
     ):
@@ -164,8 +162,7 @@ class Speculation(Loop):
         self.options = options
         self.config = options.adaptive or AdaptiveConfig()
         self.recent = recent  # every session's rounds; a new session starts from it
-        self.rates = (recent or RatesByMatch.prior(self.config)).fresh()
-        self.kind = 0  # this round's kind of rates (RatesByMatch): its n-gram match's length
+        self.rates = (recent or Rates.prior(self.config)).fresh()
         self.level_s = 0.0  # the draft's recent seconds per tree level (exponentially weighted)
         self.fed = 0  # tokens the last verify call fed (its history and tree, the root)
         self.outcome: VerifyOutcome | None = None  # the last verify's, with the worker's timings
@@ -173,7 +170,6 @@ class Speculation(Loop):
         self.phases = (0.0, 0.0)  # the last round's draft and verify seconds
         self.suffixes = suffixes  # other requests' outputs, for a hybrid round's n-gram part
         self.local_nodes = 0  # of this round's tree, the nodes of its n-gram part
-        self.shadow: Shadow | None = None  # what a round that drafted nothing would have drafted
 
     # --- adaptive trees -----------------------------------------------------------------
 
@@ -188,29 +184,9 @@ class Speculation(Loop):
         # yet, and tree nodes would make its forward, and so its first token, later
         if self.target.held < len(self.history):
             return None
-        # an n-gram draft's rounds are told apart by the suffix its lookup matched, and it
-        # learns from shadow drafts (gateway.shadow), so it needs no probes
-        ngram = self.drafter == "ngram"
-        tree = None
-        self.kind = match_length(self.history) if ngram else 0
-        if ngram and not self.kind:  # no match: only other requests' outputs may draft
-            tree = self.lookup(spec)
-            if not len(tree):
-                return None
-        rates = self.rates[self.kind]
         if self.recent is not None:
-            rates.follow(self.recent[self.kind])
-        shaped = adapt(
-            spec, rates, self.load, self.round_cost, self.options.adaptive, probes=not ngram
-        )
-        if shaped is None and ngram and self.shadow is None:
-            tree = self.lookup(spec) if tree is None else tree
-            self.shadow = Shadow.of(len(self.history), tree, self.kind)
-        return shaped
-
-    def lookup(self, spec: TreeSpec) -> TokenTree:
-        """The n-gram draft's tree after the history (what a drafted round would verify)."""
-        return lookup_tree(self.history, spec, self.suffixes, self.state.plan.tenant)
+            self.rates.follow(self.recent)
+        return adapt(spec, self.rates, self.load, self.round_cost, self.options.adaptive)
 
     @property
     def load(self) -> int:
@@ -228,7 +204,7 @@ class Speculation(Loop):
     def expected_accepted(self) -> float:
         """Draft tokens of its spine a round is expected to accept, alpha / (1 - alpha), from
         recent rounds."""
-        rate = min(self.rates[self.kind].chain.rate, 0.99)
+        rate = min(self.rates.chain.rate, 0.99)
         return rate / (1 - rate)
 
     # --- the overlapped loop --------------------------------------------------------------
@@ -322,21 +298,18 @@ class Speculation(Loop):
             self.metrics.round_phase.labels("draft").observe(draft_s)
         self.metrics.round_phase.labels("verify").observe(verify_s)
         self.observe_cost(verify_s)
-        if self.shadow is not None:
-            self.observe_shadow(self.shadow)
         if len(tree):
             path_depth = int(depths(tree.parents).max())
             best = spine(tree)
             shape = RoundShape(path_depth, len(best), len(tree))
             on_spine = common_prefix(best, self.outcome.emitted) if self.outcome else 0
-            rates = self.rates[self.kind]
-            promised = rates.promise(shape)
-            rates.observe(shape, round_.accepted, on_spine, self.config)
+            promised = self.rates.promise(shape)
+            self.rates.observe(shape, round_.accepted, on_spine, self.config)
             # a lossy rule accepts more than the draft deserves: other sessions start from
             # (and calibrate by) what exact rounds accepted
-            if self.shares_rates:
-                self.recent[self.kind].observe(shape, round_.accepted, on_spine, self.config)
-                rates.calibration.observe(promised, round_.accepted, self.config)
+            if self.recent is not None and self.state.plan.acceptance.lossless:
+                self.recent.observe(shape, round_.accepted, on_spine, self.config)
+                self.rates.calibration.observe(promised, round_.accepted, self.config)
             # a round with n-gram nodes timed the lookup (and maybe a smaller draft call),
             # not the draft's levels of its depth
             if not round_.degraded and not self.options.overlap and not self.local_nodes:
@@ -346,25 +319,6 @@ class Speculation(Loop):
         )
         if len(tree) and self.drafter == "hybrid":
             self.metrics.observe_hybrid(self.local_nodes, len(tree) - self.local_nodes)
-
-    @property
-    def shares_rates(self) -> bool:
-        return self.recent is not None and self.state.plan.acceptance.lossless
-
-    def observe_shadow(self, shadow: Shadow) -> None:
-        """Scores the pending shadow draft once the emitted tokens decide it (gateway.shadow):
-        the session's estimates, and every session's, learn it as a drafted round. The
-        calibration does not: it corrects the rounds a session chose to draft."""
-        scored = shadow.score(self.history)
-        if scored is None:
-            return
-        self.shadow = None
-        rounds = [self.rates[shadow.kind]]
-        if self.shares_rates:
-            rounds.append(self.recent[shadow.kind])
-        for rates in rounds:
-            rates.observe(scored.shape, scored.accepted, scored.spine_accepted, self.config)
-        self.metrics.observe_shadow(scored.shape.nodes, scored.accepted)
 
     def observe_cost(self, verify_s: float) -> None:
         """Teaches the target's cost fit this round: its batch's tokens and seconds.
