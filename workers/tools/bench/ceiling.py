@@ -13,6 +13,12 @@ per target forward, the bonus token included) for each:
     last two tokens, 4,096 nodes at most: what any tree built from the
     history could reach, an upper bound on tree / chain.
 
+It also reports, for every position of the outputs (the chat set's too), how
+long a suffix the n-gram lookup matched there and how much of its best chain
+the target accepted: the gateway keeps its acceptance estimates per match
+length (gateway.adaptive.RatesByMatch) because a long match predicts a copied
+run far better than a short one.
+
 No timing is involved, so the figures do not depend on the machine's load.
 """
 
@@ -24,7 +30,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings
 
 from workers.settings import EMBEDDED_MODEL, settings_config
-from workers.speculation.ngram import ngram_tree
+from workers.speculation.ngram import MAX_NGRAM, match_length, ngram_tree
 from workers.speculation.tree import TokenTree
 from workers.tools.bench.workloads import messages
 
@@ -35,6 +41,7 @@ class CeilingSettings(BaseSettings):
     target_model: str = Field(EMBEDDED_MODEL, description="the target model")
     prompts: int = Field(8, ge=1, description="input-grounded prompts")
     humaneval: int = Field(16, ge=1, le=164, description="HumanEval problems (the first N)")
+    chat: int = Field(24, ge=0, description="open-ended chat prompts (acceptance by match only)")
     max_tokens: int = Field(96, ge=1, description="most new tokens per prompt")
     budgets: str = Field("4,8,16", description="comma list of node budgets")
     out: Path = Field(Path("bench/results"), description="where ceiling.md goes")
@@ -70,6 +77,22 @@ def replay_tau(texts: list[tuple[list[int], list[int]]], draft) -> float:
     return emitted / rounds
 
 
+def by_match(texts: list[tuple[list[int], list[int]]], depth: int) -> list[tuple[int, int, int]]:
+    """Per match length n (0..MAX_NGRAM): (positions, positions whose chain's first token
+    was accepted, chain tokens accepted), the best chain `depth` deep drafted at every
+    position of every output."""
+    counts = [[0, 0, 0] for _ in range(MAX_NGRAM + 1)]
+    for prompt, output in texts:
+        for at in range(len(output)):
+            history = prompt + output[:at]
+            tree = ngram_tree(history, depth=depth, budget=depth, chain=True)
+            n, got = match_length(history), accepted(tree, output[at:])
+            counts[n][0] += 1
+            counts[n][1] += got > 0
+            counts[n][2] += got
+    return [(a, b, c) for a, b, c in counts]
+
+
 def shapes(budget: int) -> dict[str, dict]:
     return {
         "chain": {"depth": budget, "budget": budget, "chain": True},
@@ -78,6 +101,7 @@ def shapes(budget: int) -> dict[str, dict]:
 
 
 ALL_MATCHES = {"max_ngram": 2, "depth": 16, "budget": 4096, "max_matches": 64}
+MATCH_DEPTH = 6  # the default tree's depth
 
 
 def greedy_texts(s: CeilingSettings) -> dict[str, list[tuple[list[int], list[int]]]]:
@@ -91,7 +115,9 @@ def greedy_texts(s: CeilingSettings) -> dict[str, list[tuple[list[int], list[int
         EngineConfig(model=s.target_model), "ngram", TreeSpec(depth=16, branching=2, budget=16)
     )
     texts = {}
-    for workload, n in (("grounded", s.prompts), ("humaneval", s.humaneval)):
+    for workload, n in (("grounded", s.prompts), ("humaneval", s.humaneval), ("chat", s.chat)):
+        if not n:
+            continue
         pairs = []
         for conversation in messages(workload, n):
             prompt = encode_chat(engine.tokenizer, conversation)
@@ -105,14 +131,17 @@ def run_ceiling(s: CeilingSettings) -> str:
     texts = greedy_texts(s)
     budgets = [int(b) for b in s.budgets.split(",") if b.strip()]
     lines = [
-        f"n-gram tau by replay: {s.target_model}, {s.prompts} input-grounded prompts and "
-        f"{s.humaneval} HumanEval problems, {s.max_tokens} greedy tokens each.",
+        f"n-gram tau by replay: {s.target_model}, {s.prompts} input-grounded prompts, "
+        f"{s.humaneval} HumanEval problems and {s.chat} chat prompts, {s.max_tokens} greedy "
+        "tokens each.",
         "",
         "| workload | budget | chain τ | tree τ | tree / chain | all matches τ | "
         "all matches / chain |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for workload, pairs in texts.items():
+        if workload == "chat":  # open-ended: no copy to bound
+            continue
         ceiling = replay_tau(pairs, lambda h: ngram_tree(h, **ALL_MATCHES))
         for budget in budgets:
             tau = {
@@ -124,6 +153,21 @@ def run_ceiling(s: CeilingSettings) -> str:
                 f"| {workload} | {budget} | {chain:.2f} | {tau['tree']:.2f} | "
                 f"{tau['tree'] / chain:.2f}× | {ceiling:.2f} | {ceiling / chain:.2f}× |"
             )
+    lines += [
+        "",
+        f"By the length of the suffix the lookup matched: every position of the outputs, "
+        f"the best chain {MATCH_DEPTH} deep (0: no match, nothing to draft).",
+        "",
+        "| workload | match | positions | first token accepted | tokens accepted per chain |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for workload, pairs in texts.items():
+        for n, (positions, first, tokens) in enumerate(by_match(pairs, MATCH_DEPTH)):
+            if positions:
+                lines.append(
+                    f"| {workload} | {n} | {positions} | {first / positions:.2f} | "
+                    f"{tokens / positions:.2f} |"
+                )
     return "\n".join(lines)
 
 
