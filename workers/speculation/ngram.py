@@ -60,7 +60,7 @@ def match_length(
     history: Sequence[int], max_ngram: int = MAX_NGRAM, min_ngram: int = 1, window: int = WINDOW
 ) -> int:
     """The n of the suffix `ngram_tree` copies after (0: no match): a long match predicts a
-    copied run far better than a one-token one (the gateway keeps acceptance per n)."""
+    copied run far better than a one-token one (`specsplit bench ceiling` counts both)."""
     return _longest_match(list(history[-window:]), max_ngram, min_ngram)[0]
 
 

@@ -15,9 +15,9 @@ per target forward, the bonus token included) for each:
 
 It also reports, for every position of the outputs (the chat set's too), how
 long a suffix the n-gram lookup matched there and how much of its best chain
-the target accepted: the gateway keeps its acceptance estimates per match
-length (gateway.adaptive.RatesByMatch) because a long match predicts a copied
-run far better than a short one.
+the target accepted: a long match predicts a copied run far better than a
+short one (bench/RESULTS.md, "Shadow drafts and acceptance per match
+length").
 
 No timing is involved, so the figures do not depend on the machine's load.
 """
