@@ -163,7 +163,7 @@ class Generator:
                         )
                     last_round = now
                     if origins is not None:
-                        origins.add(round_, speculation.drafter, speculation.phases)
+                        origins.add(round_, speculation.drafter)
                     piece = text.push(round_.tokens, round_.logprobs)
                     finish = "stop" if text.stopped else round_.finish_reason
                     if finish is not None:

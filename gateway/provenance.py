@@ -61,7 +61,7 @@ class Provenance:
     pending: list[dict] = field(default_factory=list)  # rounds since the last chunk
     count: int = 0  # rounds so far
 
-    def add(self, round_: Round, drafter: str | None, phases: tuple[float, float]) -> None:
+    def add(self, round_: Round, drafter: str | None) -> None:
         """A committed round: its tokens' origins (accepted draft tokens, then the target's)."""
         self.count += 1
         target = "correction" if round_.corrected else "bonus"
@@ -70,7 +70,7 @@ class Provenance:
                 self.origins.append(Origin(self.count, "draft", "accepted", drafter))
             else:
                 self.origins.append(Origin(self.count, "target", target))
-        draft_s, verify_s = phases
+        draft_s, verify_s = round_.seconds
         self.pending.append(
             {
                 "round": self.count,

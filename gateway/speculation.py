@@ -41,7 +41,7 @@ from gateway.pool import Pool, Router, Worker, prompt_blocks
 from workers.draft.ngram import lookup_tree
 from workers.draft.suffix import SuffixCache
 from workers.engine.sessions import common_prefix
-from workers.loop import Loop, LoopState, Plan
+from workers.loop import Loop, LoopState, Plan, Round
 from workers.loop.driver import ATTEMPTS
 from workers.protocol import (
     InvalidCall,
@@ -167,7 +167,6 @@ class Speculation(Loop):
         self.fed = 0  # tokens the last verify call fed (its history and tree, the root)
         self.outcome: VerifyOutcome | None = None  # the last verify's, with the worker's timings
         self.lookahead: Lookahead | None = None
-        self.phases = (0.0, 0.0)  # the last round's draft and verify seconds
         self.suffixes = suffixes  # other requests' outputs, for a hybrid round's n-gram part
         self.local_nodes = 0  # of this round's tree, the nodes of its n-gram part
 
@@ -292,8 +291,8 @@ class Speculation(Loop):
             return "hybrid"
         return "feature" if worker.feature_size else "model"
 
-    def observe(self, tree: TokenTree, round_, draft_s: float, verify_s: float) -> None:
-        self.phases = (draft_s, verify_s)
+    def observe(self, tree: TokenTree, round_: Round) -> None:
+        draft_s, verify_s = round_.seconds
         if self.route.drafts:
             self.metrics.round_phase.labels("draft").observe(draft_s)
         self.metrics.round_phase.labels("verify").observe(verify_s)

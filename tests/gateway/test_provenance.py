@@ -137,8 +137,10 @@ def test_a_character_held_across_rounds_keeps_each_tokens_round_and_source(byte_
     a, e1, e2, b = ids(byte_tokenizer, "aéb")  # é is two byte tokens
     sent = []
     for tokens, accepted in (([a, e1], 1), ([e2, b], 1)):  # é's bytes in two rounds
-        round_ = Round(tokens, None, None, drafted=2, accepted=accepted, corrected=True)
-        origins.add(round_, "ngram", (0.001, 0.002))
+        round_ = Round(
+            tokens, None, None, drafted=2, accepted=accepted, corrected=True, seconds=(0.001, 0.002)
+        )
+        origins.add(round_, "ngram")
         sent.append(origins.take(text.push(tokens)))
     first, second = (
         [(t["i"], t["text"], t["round"], t["source"]) for t in s["tokens"]] for s in sent

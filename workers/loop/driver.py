@@ -31,6 +31,7 @@ draft worker's trees through the hooks `shape`, `next_tree`, `local_tree`,
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -57,6 +58,11 @@ from workers.speculation.tree import TokenTree, merge_trees
 log = logging.getLogger("specsplit.loop")
 
 ATTEMPTS = 4  # calls per round and role before giving up (plus one per worker offered)
+# turns of the event loop a round waits before going to the consumer (`Loop.rounds`): the
+# next round's task takes one to reach its verify (two when a hang bound wraps the call in
+# a task), the Coalescer one to flush and one to start its call, grpc.aio one to start the
+# RPC; two to spare
+SEND_TURNS = 6
 
 T = TypeVar("T")
 
@@ -135,26 +141,57 @@ class Loop:
         return self.state.counters
 
     async def rounds(self) -> AsyncIterator[Round]:
-        """Runs rounds until a stop token or max_tokens; yields each round's tokens."""
+        """Runs rounds until a stop token or max_tokens; yields each round's tokens.
+
+        Round k+1 starts (its propose and verify) as soon as round k is committed, before
+        round k goes to the consumer, so the consumer's work on it (the gateway
+        detokenizes, formats and streams it) overlaps the target's next forward instead of
+        delaying it: a target batches the rounds of its sessions and starts a forward once
+        every session of the last one has sent its next verify, and the gateway runs all of
+        its sessions on one thread, so S sessions' streaming would otherwise sit between
+        every two forwards. The consumer waits `SEND_TURNS` turns of the event loop first,
+        long enough for every session woken by the same forward to send its verify. At most
+        one round runs ahead; when the consumer stops (a stop string, a client gone), it is
+        cancelled, or its tokens are committed but never yielded: either way nothing it did
+        reaches the client, and the worker's copy of the session is only a cache (a next
+        turn re-sends its history).
+        """
         clean = False  # ended by its last round or closed by its consumer (not failed)
+        ahead: asyncio.Task[Round] | None = None
         try:
-            while self.state.finish_reason is None:
-                start = time.perf_counter()
-                tree, degraded = await self.next_tree()
-                proposed = time.perf_counter()
-                self.before_verify(tree)
-                outcome = await self.verify(tree)
-                verified = time.perf_counter()
-                round_ = self.state.commit(tree, outcome, degraded)
-                self.observe(tree, round_, proposed - start, verified - proposed)
+            round_ = await self.run_round()
+            while True:
+                if self.state.finish_reason is None:
+                    ahead = asyncio.ensure_future(self.run_round())
+                    for _ in range(SEND_TURNS):
+                        await asyncio.sleep(0)
+                given = time.perf_counter()
                 yield round_
-                self.after_emit(time.perf_counter() - verified)
+                self.after_emit(time.perf_counter() - given)
+                if ahead is None:
+                    break
+                round_, ahead = await ahead, None
             clean = True
         except GeneratorExit:
             clean = True
             raise
         finally:
+            if ahead is not None:
+                discard(ahead)
             await self.close(keep=clean and self.keep)
+
+    async def run_round(self) -> Round:
+        """One round: propose, verify, commit; the round carries its two calls' seconds."""
+        start = time.perf_counter()
+        tree, degraded = await self.next_tree()
+        proposed = time.perf_counter()
+        self.before_verify(tree)
+        outcome = await self.verify(tree)
+        verified = time.perf_counter()
+        round_ = self.state.commit(tree, outcome, degraded)
+        round_ = replace(round_, seconds=(proposed - start, verified - proposed))
+        self.observe(tree, round_)
+        return round_
 
     # --- hooks (the gateway overrides them) --------------------------------------------
 
@@ -174,11 +211,12 @@ class Loop:
     def before_verify(self, tree: TokenTree) -> None:
         """Called with the tree just before it is verified."""
 
-    def observe(self, tree: TokenTree, round_: Round, draft_s: float, verify_s: float) -> None:
-        """Called with each committed round, its tree and the time its two calls took."""
+    def observe(self, tree: TokenTree, round_: Round) -> None:
+        """Called with each committed round and its tree."""
 
     def after_emit(self, seconds: float) -> None:
-        """Called with the time the consumer took over a round."""
+        """Called with the time the consumer took over a round (the next one runs
+        meanwhile)."""
 
     async def finish(self) -> None:
         """Called once the rounds are over, before the workers are released."""
@@ -334,6 +372,16 @@ class Loop:
         workers = [s.worker for s in (self.draft, self.target) if s.worker is not None]
         self.draft, self.target = Seat(), Seat()
         await self.route.release(self.session_id, workers, keep)
+
+
+def discard(task: asyncio.Task) -> None:
+    """Drops a round that will not be taken: cancelled if running, else its error (if any)
+    retrieved. Not awaited: a cancelled request's every await raises again (anyio's cancel
+    scopes), and the session must still be released after it."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
 
 
 # --- one fixed draft and target ---------------------------------------------------------

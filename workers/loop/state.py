@@ -84,6 +84,7 @@ class Round:
     # the last token is the target's correction of a draft guess (the draft proposed a
     # child of the last accepted node, and the target chose otherwise), not a bonus token
     corrected: bool = False
+    seconds: tuple[float, float] = (0.0, 0.0)  # its propose and verify calls' wall time
 
 
 @dataclass
