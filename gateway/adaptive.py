@@ -139,6 +139,9 @@ class CostFit:
     tokens2: float = 0.0  # sum of w * n^2
     seconds: float = 0.0  # sum of w * t
     product: float = 0.0  # sum of w * n * t
+    # the last line and the config it was fitted with: every session of a batch asks for
+    # it between the batch's answers (each observed) and its next forward
+    fitted: tuple[AdaptiveConfig, RoundCost] | None = field(default=None, compare=False)
 
     def observe(
         self, tokens: int, seconds: float, config: AdaptiveConfig, share: float = 1.0
@@ -148,6 +151,7 @@ class CostFit:
         a forward counts once, however many sessions it served."""
         if tokens <= 0 or seconds <= 0 or share <= 0:
             return
+        self.fitted = None
         keep = (1.0 - config.cost_ewma) ** share
         self.weight = keep * self.weight + share
         self.tokens = keep * self.tokens + share * tokens
@@ -159,6 +163,12 @@ class CostFit:
         """The fitted cost; the prior (in token units) before any round."""
         if self.weight <= 0:
             return RoundCost.prior(config)
+        if self.fitted is None or self.fitted[0] is not config:
+            self.fitted = config, self.fit(config)
+        return self.fitted[1]
+
+    def fit(self, config: AdaptiveConfig) -> RoundCost:
+        """The line the sums give with the prior's pseudo-rounds (see the class docstring)."""
         knee = config.knee_tokens
         mean_n, mean_t = self.tokens / self.weight, self.seconds / self.weight
         prior_b = mean_t / (knee + mean_n)  # the prior line through the data's mean

@@ -197,7 +197,8 @@ class Speculation(Loop):
         worker = self.target.worker
         if worker is None or worker.cost.weight <= 0:
             return RoundCost.prior(self.config)  # unmeasured: in token units, draft time unknown
-        return replace(worker.cost.line(self.config), level_s=self.level_s)
+        line = worker.cost.line(self.config)
+        return replace(line, level_s=self.level_s) if self.level_s else line
 
     @property
     def expected_accepted(self) -> float:

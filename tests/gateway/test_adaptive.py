@@ -4,6 +4,7 @@ and never changes output."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from openai import OpenAI
@@ -162,6 +163,18 @@ def test_the_cost_fit_learns_a_line_and_keeps_the_prior_split_without_spread():
     line = same.line(CONFIG)
     assert line.seconds(17, 0) == pytest.approx(0.037, rel=0.01)
     assert line.fixed_s / line.token_s == pytest.approx(CONFIG.knee_tokens, rel=0.01)
+
+
+def test_the_line_is_fitted_once_between_rounds_and_again_after_each():
+    fit = CostFit()
+    for n in [1, 17, 5, 130]:
+        fit.observe(n, 0.030 + 0.001 * n, CONFIG)
+    line = fit.line(CONFIG)
+    assert fit.line(CONFIG) is line  # the batch's other sessions ask again: the same line
+    other = replace(CONFIG, knee_tokens=4.0)
+    assert fit.line(other) == fit.fit(other) != line
+    fit.observe(9, 0.5, CONFIG)
+    assert fit.line(CONFIG) == fit.fit(CONFIG) != line
 
 
 def test_a_forward_counts_once_whatever_the_calls_it_served():
