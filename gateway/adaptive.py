@@ -314,13 +314,21 @@ def tree_nodes(spec: TreeSpec, depth: int) -> int:
 
 
 def can_pay(rates: Rates, sessions: int, cost: RoundCost) -> bool:
-    """Whether any draft could beat plain decoding: an upper bound on every shape's speed
-    (the most a path of any depth gains, alpha / (1 - alpha) at the better of the two
-    rates, over the cheapest drafting round: one node, one level) against no draft's.
-    Most rounds of a busy target end here, so they skip weighing every shape."""
-    rate = min(max(rates.tree.rate, rates.chain.rate), 0.999)
-    most = 1.0 + rates.calibration.factor * rate / (1.0 - rate)
-    return most * cost.seconds(sessions, 0) > cost.seconds(2 * sessions, 1)
+    """Whether any draft could beat plain decoding. Most rounds of a busy target end here,
+    so they skip weighing every shape (`weigh_shapes`), and the answer is the same:
+
+    - chains: a chain d deep gains g(d) = min(d, c (E(d) - 1)), concave in d, for a cost
+      linear in d, so when one level does not beat no draft, no depth does (tokens per
+      second are then at most the mediant of no draft's and the first level's);
+    - trees: every tree shape has two nodes or more, so it costs at least a round feeding
+      3 tokens a session over one level, and gains at most c alpha / (1 - alpha) at the
+      trees' acceptance (alpha held below 1)."""
+    factor = rates.calibration.factor
+    plain = 1.0 / cost.seconds(sessions, 0)
+    chain = (1.0 + min(1.0, factor * rates.chain.rate)) / cost.seconds(2 * sessions, 1)
+    rate = min(rates.tree.rate, 0.999)
+    tree = (1.0 + factor * rate / (1.0 - rate)) / cost.seconds(3 * sessions, 1)
+    return chain > plain or tree > plain
 
 
 def best_shape(rates: Rates, sessions: int, spec: TreeSpec, cost: RoundCost) -> tuple[int, int]:

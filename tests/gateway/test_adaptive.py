@@ -19,6 +19,7 @@ from gateway.adaptive import (
     RoundShape,
     adapt,
     best_shape,
+    can_pay,
     expected_tokens,
     weigh_shapes,
 )
@@ -84,7 +85,7 @@ def test_a_tree_costs_its_nodes_and_a_draft_its_levels():
 
 def test_rounds_where_no_draft_can_pay_skip_weighing_shapes_and_choose_the_same():
     rng = random.Random(15)
-    skipped = 0
+    skipped = cut_short = 0
     for _ in range(3000):
         estimates = rates(rng.random() ** 2, rng.random() ** 2)
         estimates.calibration = Calibration(promised=1.0, accepted=rng.uniform(0.1, 1.5))
@@ -93,7 +94,9 @@ def test_rounds_where_no_draft_can_pay_skip_weighing_shapes_and_choose_the_same(
         chosen = best_shape(estimates, sessions, spec, cost)
         assert chosen == weigh_shapes(estimates, sessions, spec, cost)
         skipped += chosen == (0, 0)
+        cut_short += not can_pay(estimates, sessions, cost)
     assert 300 < skipped < 2700  # both kinds of round were drawn
+    assert cut_short > 0.75 * skipped  # most rounds without a draft never weigh the shapes
 
 
 def test_adapt_keeps_the_shape_within_the_configured_tree():
