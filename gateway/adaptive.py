@@ -11,10 +11,12 @@ Both sides are estimated per round:
   (weights are read once, then compute grows with the tokens; the round's
   network and gateway time adds to a). Each target worker's a and b are
   learnt online (`CostFit`) from what its Verify calls report: the tokens
-  its batch's forward fed (cached prompt blocks are not fed) and the call's
-  seconds (the gateway's wall time less the time it queued on the worker);
-  the calls of one batch share one forward, so each weighs 1 / the batch's
-  calls. Before a target has answered, a / b is
+  its batch's forward fed (cached prompt blocks are not fed; a prompt token,
+  fed without logits, counts the share of a token's work it needs, so that
+  prefills do not flatten the slope) and the call's seconds (the gateway's
+  wall time less the time it queued on the worker); the calls of one batch
+  share one forward, so each weighs 1 / the batch's calls. Before a target
+  has answered, a / b is
   `knee_tokens` (`--adaptive-knee-tokens`). The fit is an exponentially
   weighted least-squares line, pulled towards that prior ratio with the
   weight of `prior_weight` rounds, so rounds that all feed the same number

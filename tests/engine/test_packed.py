@@ -64,3 +64,17 @@ def test_packed_engine_matches_the_plain_one():
         outs.append(engine.forward([tree])[0])
     assert torch.allclose(outs[0], outs[1], atol=1e-4)
     assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_prompt_token_costs_the_blocks_share_of_a_token_packed_or_not(pack):
+    # what a worker counts a prompt token as in the tokens its steps report (the gateway's
+    # cost fit): the decoder layers' matrix weights over theirs and the LM head's
+    hf = tiny_hf_model(seed=5)
+    config = EngineConfig(model="tiny", max_sessions=1, max_seq_len=64, pack_weights=pack)
+    engine = Engine.from_hf(hf, None, config, "tiny")
+    linears = [m for m in hf.model.layers.modules() if isinstance(m, nn.Linear)]
+    blocks = sum(m.weight.numel() for m in linears)  # q, k, v, o, gate, up, down
+    head = hf.lm_head.weight.numel()
+    assert engine.model.prompt_token_share == pytest.approx(blocks / (blocks + head))
+    assert 0.5 < engine.model.prompt_token_share < 1.0

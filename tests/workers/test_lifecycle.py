@@ -121,15 +121,20 @@ async def test_info_and_metric_names():
 
 async def test_a_shared_prompt_prefix_is_counted_in_the_metrics_and_timings():
     prompt = list(range(3, 43))  # two full blocks of 16 are shared; the last token is fed again
-    async with target_worker(tiny_engine(seed=0, slots=3)) as (server, target):
+    engine = tiny_engine(seed=0, slots=3)
+    async with target_worker(engine) as (server, target):
         outcomes = [
             await target.verify(VerifyCall(sid, 0, prompt, TokenTree.empty(), SamplingParams()))
             for sid in ("a", "b")
         ]
         metrics = scrape(server)
     # the tokens each forward fed, which the gateway's cost fit divides its time by: the
-    # second prompt's cached blocks cost nothing
-    assert [o.timings.batch_tokens for o in outcomes] == [40, 8]
+    # second prompt's cached blocks cost nothing, and a prompt token fed without logits (all
+    # but the last) counts its share of a token's work
+    share = engine.model.prompt_token_share
+    expected = [round(1 + 39 * share), round(1 + 7 * share)]
+    assert [o.timings.batch_tokens for o in outcomes] == expected
+    assert share < 1 and round(1 + 39 * share) < 40
     tokens = {labels["source"]: v for labels, v in metrics["specsplit_worker_prompt_tokens_total"]}
     assert tokens == {"sent": 80, "cached": 32}
     assert metrics["specsplit_worker_prefix_cache_tokens"] == [({"role": "target"}, 32.0)]

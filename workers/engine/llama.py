@@ -223,6 +223,20 @@ class NativeLlama(nn.Module):
 
     takes_features = False  # whether its input pairs each token with a target hidden state
 
+    @property
+    def prompt_token_share(self) -> float:
+        """What a token fed for its keys and values alone (a prompt's) costs against one fed
+        for its logits as well: the blocks' matrix weights over the blocks' and the LM
+        head's (a weight is one multiply-add per token; attention over the context left
+        out). Linear and packed layers both state their in and out features."""
+
+        def weights(module: nn.Module) -> int:
+            layers = [m for m in module.modules() if hasattr(m, "out_features")]
+            return sum(m.in_features * m.out_features for m in layers)
+
+        blocks = weights(self.blocks)
+        return blocks / (blocks + weights(self.lm_head))
+
     def inputs(self, batch: ForwardBatch, features: torch.Tensor | None) -> torch.Tensor:
         """The first layer's input (N, E): the new tokens' embeddings."""
         if features is not None:

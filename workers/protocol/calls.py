@@ -131,7 +131,10 @@ class Timings:
     queue_ns: int = 0  # arrival -> start of its batch
     forward_ns: int = 0  # the batch's model work, shared by its calls
     batch_size: int = 0  # calls in that batch
-    batch_tokens: int = 0  # tokens its forward fed, cached prompt blocks not (0 = not reported)
+    # tokens its forward fed, cached prompt blocks not, in tokens fed for their logits: a
+    # prompt token fed for its keys and values alone counts the share of the work it needs
+    # (NativeLlama.prompt_token_share); 0 = not reported
+    batch_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ class Batcher(Generic[C, R]):
         max_tokens: int = 2048,
         on_batch: Callable[[BatchReport], None] = lambda report: None,
         held_sessions: Callable[[], Collection[str]] | None = None,
-        fed: Callable[[], int] | None = None,
+        fed: Callable[[], float] | None = None,
     ):
         self.step = step  # the runner's batched method; one result or exception per call
         self.thread = thread
@@ -112,9 +112,10 @@ class Batcher(Generic[C, R]):
         # the sessions the worker holds (None: unknown); a session of the previous step that
         # it no longer holds (ended) is not waited for
         self.held_sessions = held_sessions
-        # the tokens the worker's forwards have fed so far (a running total): a step's
-        # Timings report what its forwards fed, after the prefix cache's hits and without
-        # the chunks of a long prompt left for later. None: the calls' summed cost
+        # the work the worker's forwards have done so far, in tokens fed for their logits
+        # (a running total; WorkerMetrics.fed_work): a step's Timings report what its
+        # forwards fed, after the prefix cache's hits and without the chunks of a long
+        # prompt left for later. None: the calls' summed cost
         self.fed = fed
         self.batches = 0  # steps run
         self.largest = 0  # most calls in one step
@@ -248,7 +249,7 @@ class Batcher(Generic[C, R]):
         if again:
             self._ready.set()
         cost = sum(q.cost for q in batch)
-        tokens = self.fed() - fed_before if self.fed is not None else cost
+        tokens = max(1, round(self.fed() - fed_before)) if self.fed is not None else cost
         for q, result in zip(batch, results, strict=True):
             if q.future.done() or result is UNFINISHED:
                 continue

@@ -175,7 +175,7 @@ def runner_for(
 
 async def serve_role(role: Role, engine: Engine | None, settings: WorkerSettings) -> WorkerServer:
     """Starts a `role` worker over `engine`, or a model-free n-gram draft worker when None."""
-    metrics = WorkerMetrics(role)
+    metrics = WorkerMetrics(role, engine.model.prompt_token_share if engine is not None else 1.0)
     runner, cache_len = runner_for(role, engine, settings, metrics)
     thread = EngineThread(f"{role}-engine")
     target = role == "target"
@@ -190,7 +190,7 @@ async def serve_role(role: Role, engine: Engine | None, settings: WorkerSettings
         max_tokens=settings.max_batch_tokens,
         on_batch=metrics.observe_batch,
         held_sessions=lambda: runner.table.sessions.keys(),
-        fed=(lambda: metrics.fed_tokens) if engine is not None else None,
+        fed=(lambda: metrics.fed_work) if engine is not None else None,
     )
     servicer = WorkerServicer(
         runner, batcher, thread, settings.max_tree_nodes, cache_len, metrics.observe_request
