@@ -74,9 +74,9 @@ class SessionCollector(Collector):
 class WorkerMetrics:
     def __init__(self, role: str, prompt_share: float = 1.0):
         self.role = role
-        self.fed_tokens = 0  # tokens the engine's forwards have fed, all told
-        # the same in tokens fed for their logits: a token fed without them (a prompt's)
-        # counts `prompt_share` of one (NativeLlama.prompt_token_share)
+        # the tokens the engine's forwards have fed, all told, in tokens fed for their
+        # logits: a token fed without them (a prompt's) counts `prompt_share` of one
+        # (NativeLlama.prompt_token_share)
         self.fed_work = 0.0
         self.prompt_share = prompt_share
         self.registry = CollectorRegistry()
@@ -135,7 +135,6 @@ class WorkerMetrics:
     def observe_forward(self, rows: list[SlotInput]) -> None:
         tokens = sum(len(r.tokens) for r in rows)
         logits = sum(r.logits_for for r in rows)
-        self.fed_tokens += tokens
         self.fed_work += logits + self.prompt_share * (tokens - logits)
         self.tokens_per_forward.observe(tokens)
 
