@@ -188,8 +188,7 @@ class Loop:
         self.before_verify(tree)
         outcome = await self.verify(tree)
         verified = time.perf_counter()
-        round_ = self.state.commit(tree, outcome, degraded)
-        round_ = replace(round_, seconds=(proposed - start, verified - proposed))
+        round_ = self.state.commit(tree, outcome, degraded, (proposed - start, verified - proposed))
         self.observe(tree, round_)
         return round_
 

@@ -119,8 +119,15 @@ class LoopState:
             spec, depth=depth, budget=budget, temperature=params.temperature, seed=params.seed
         )
 
-    def commit(self, tree: TokenTree, outcome: VerifyOutcome, degraded: bool = False) -> Round:
-        """Appends the round's tokens to the history, cut at max_tokens or a stop token."""
+    def commit(
+        self,
+        tree: TokenTree,
+        outcome: VerifyOutcome,
+        degraded: bool = False,
+        seconds: tuple[float, float] = (0.0, 0.0),
+    ) -> Round:
+        """Appends the round's tokens to the history, cut at max_tokens or a stop token;
+        `seconds`: the round's propose and verify calls' wall time, which the round carries."""
         remaining = self.remaining
         tokens = outcome.emitted[:remaining]
         stop = next((i for i, t in enumerate(tokens) if t in self.plan.stop_ids), None)
@@ -147,6 +154,7 @@ class LoopState:
             degraded,
             outcome.prefix_hit,
             corrected=bool((tree.parents == last).any()) if len(tree) else False,
+            seconds=seconds,
         )
 
 
