@@ -175,3 +175,11 @@ def test_rows_take_turns_at_each_point_and_the_median_serve_stands(monkeypatch):
         ("off", 16): (12.0, True),
         ("ngram-tree-adaptive", 16): (13.0, False),  # every turn's text is checked
     }
+    # the median keeps every turn, and the report sets each against off's of the same turn
+    turns = {(r.row, r.streams): r.turns for r in run.results}
+    assert turns[("off", 16)] == [11.0, 12.0, 15.0]
+    assert turns[("ngram-tree-adaptive", 16)] == [10.0, 13.0, 14.0]
+    ratios = report.turn_ratios(run, "ngram-tree-adaptive", 16)
+    assert [round(x, 3) for x in ratios] == [0.909, 1.083, 0.933]
+    table = report.markdown(run)
+    assert "| ngram-tree-adaptive | 0.20 / 0.67 / 0.88 | 0.91 / 1.08 / 0.93 |" in table

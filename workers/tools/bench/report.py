@@ -15,7 +15,7 @@ CSV_FIELDS = [
     "row", "setup", "workload", "streams", "requests", "tokens", "wall_s", "tok_s_stream",
     "tok_s_total", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms", "tau", "acceptance",
     "lookahead_hit_rate", "gateway_p50_ms", "draft_p50_ms", "verify_p50_ms", "same_output",
-    "load_1m",
+    "load_1m", "tok_s_turns",
 ]  # fmt: skip
 
 
@@ -55,6 +55,7 @@ def csv_row(r: Result) -> dict:
         "verify_p50_ms": _round(r.phases_ms.get("verify"), 3),
         "same_output": "" if r.same is None else ("yes" if r.same else "NO"),
         "load_1m": round(r.load, 2),
+        "tok_s_turns": " ".join(f"{x:.2f}" for x in r.turns),
     }
 
 
@@ -165,8 +166,8 @@ def sweep_streams(run: Run) -> list[int]:
     return sorted({r.streams for r in run.results if r.workload == run.settings.sweep_workload})
 
 
-def sweep_point(run: Run, row: str, streams: int) -> float | None:
-    r = next(
+def sweep_result(run: Run, row: str, streams: int) -> Result | None:
+    return next(
         (
             r
             for r in run.results
@@ -174,7 +175,21 @@ def sweep_point(run: Run, row: str, streams: int) -> float | None:
         ),
         None,
     )
+
+
+def sweep_point(run: Run, row: str, streams: int) -> float | None:
+    r = sweep_result(run, row, streams)
     return r.figures.tok_s_total if r else None
+
+
+def turn_ratios(run: Run, row: str, streams: int) -> list[float]:
+    """The row's tok/s over speculation off's at a sweep point, turn by turn: the serves
+    of one turn ran next to each other, so each ratio is the row against off on the same
+    minute of the machine, and their spread is how far the median's ratio can be read."""
+    mine, off = sweep_result(run, row, streams), sweep_result(run, "off", streams)
+    if mine is None or off is None:
+        return []
+    return [a / b for a, b in zip(mine.turns, off.turns, strict=False) if b]
 
 
 def turns(s) -> str:
@@ -233,11 +248,31 @@ def markdown(run: Run) -> str:
                 cells.append(fmt(value, 1) + rel)
             scaling = ratio(sweep_point(run, row, 8), sweep_point(run, row, 1))
             lines.append(f"| {row} | " + " | ".join(cells) + f" | {fmt(scaling, 2, '×')} |")
+        lines += turns_table(run, [row for row in rows if row != "off"], points)
     lines += ["", "## Targets (issue 6)", "", "| target | reached | met |", "|---|---:|:---:|"]
     for t in targets(run):
         met = "not measured" if t.met is None else ("yes" if t.met else "**no**")
         lines.append(f"| {t.what} | {t.reached} | {met} |")
     return "\n".join(lines) + "\n"
+
+
+def turns_table(run: Run, rows: list[str], points: list[int]) -> list[str]:
+    """Each turn's × speculation off at every sweep point (no lines with one serve each)."""
+    cells = {row: [turn_ratios(run, row, n) for n in points] for row in rows}
+    if not any(len(ratios) > 1 for row in rows for ratios in cells[row]):
+        return []
+    lines = [
+        "",
+        "Each turn's × speculation off (a serve of the row over off's serve of the same "
+        "turn, turns in order): the spread is this machine's noise at that point.",
+        "",
+        "| row | " + " | ".join(f"{n} streams" for n in points) + " |",
+        "|---|" + "---:|" * len(points),
+    ]
+    for row in rows:
+        shown = [" / ".join(f"{x:.2f}" for x in ratios) or "-" for ratios in cells[row]]
+        lines.append(f"| {row} | " + " | ".join(shown) + " |")
+    return lines
 
 
 def plot(run: Run, path: Path) -> None:

@@ -29,7 +29,9 @@ the sweep runs the --sweep-rows at each of --streams concurrent streams on
 --sweep-workload, the streams taking the prompts from one queue
 (`serving.run_streams`). At each point the rows take turns, --repeats times (a
 fresh serve each time), and the serve with the median tok/s stands for its
-row: a slow minute of the machine then falls on every row alike.
+row: a slow minute of the machine then falls on every row alike. The report
+also sets each turn's serve against speculation off's of the same turn: the
+spread of those ratios is the machine's noise at that point.
 Greedy everywhere, and every row's text is checked against
 `hf-generate`'s (or, without it, the first row's).
 
@@ -141,6 +143,9 @@ class Result:
     same: bool | None  # every text equal to the reference's
     phases_ms: dict[str, float | None] = field(default_factory=dict)  # p50 per round phase
     load: float = 0.0  # 1-minute load average when the row finished
+    # tok/s of every serve the row had at its point, in turn order (`run_serves`; the
+    # median serve stands for the row and keeps them)
+    turns: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -278,6 +283,7 @@ def run_serves(run: Run, configs: list[ServeConfig], workloads, draft_dir, token
             results = sorted(tried[config.name], key=lambda r: r.figures.tok_s_total)
             median = results[len(results) // 2]
             median.same = all(r.same for r in results)
+            median.turns = [r.figures.tok_s_total for r in tried[config.name]]
             run.results.append(median)
             if s.repeats > 1:
                 print(f"median of {s.repeats}: {report.progress(median)}", flush=True)
