@@ -89,7 +89,9 @@ class Gateway:
         # ask for "ngram" when the drafts are workers or off by default; it alone reads the
         # suffix cache
         suffixes = settings.suffix_cache()
-        local = local_ngram_draft(max(2 * settings.max_sessions, 64), suffixes)
+        local = local_ngram_draft(
+            max(2 * settings.max_sessions, 64), suffixes, settings.ngram_min_match
+        )
         ngram = pool("draft", [local.address], InProcessFactory([local]))
         drafts = ngram if settings.local_draft == "ngram" else None
         if settings.draft_addresses:

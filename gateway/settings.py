@@ -15,10 +15,12 @@ from pydantic_settings import BaseSettings
 
 from gateway.adaptive import AdaptiveConfig
 from gateway.speculation import LoopOptions
+from workers.draft.ngram import MIN_MATCH
 from workers.draft.suffix import SuffixCache, SuffixCacheConfig
 from workers.protocol import TreeSpec
 from workers.rpc.security import ClientSecurity, read, read_token
 from workers.settings import EMBEDDED_MODEL, settings_config
+from workers.speculation.ngram import MAX_NGRAM
 
 
 class GatewayOptions(BaseSettings):
@@ -44,6 +46,14 @@ class GatewayOptions(BaseSettings):
     tree_depth: int = Field(6, ge=0, description="most draft tokens along one path")
     tree_branching: int = Field(2, ge=1, description="children per expanded node; 1 = chain")
     tree_budget: int = Field(16, ge=0, description="most draft tree nodes per round")
+    ngram_min_match: int = Field(
+        MIN_MATCH,
+        ge=1,
+        le=MAX_NGRAM,
+        description="shortest suffix (tokens) the in-gateway n-gram draft copies after "
+        "(vLLM's prompt_lookup_min); 1 also drafts after one-token matches, which are rarely "
+        "right and pay only at one or two sessions",
+    )
     adaptive_tree: bool = Field(
         True,
         description="size each round's tree (within depth and budget) to the session's recent "

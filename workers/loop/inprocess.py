@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from workers.draft.ngram import NgramDrafter
+from workers.draft.ngram import MIN_MATCH, NgramDrafter
 from workers.draft.suffix import SuffixCache
 from workers.engine.sessions import SessionTable
 from workers.loop.driver import Pair, generate
@@ -147,10 +147,12 @@ class InProcessDraft(InProcessWorker):
         return await self.run(self.drafter.info)
 
 
-def local_ngram_draft(max_sessions: int, suffixes: SuffixCache | None = None) -> InProcessDraft:
+def local_ngram_draft(
+    max_sessions: int, suffixes: SuffixCache | None = None, min_match: int = MIN_MATCH
+) -> InProcessDraft:
     """The in-gateway prompt-lookup draft: no thread, no model, no network hop; with a
     suffix cache it also drafts from each tenant's earlier outputs."""
-    drafter = NgramDrafter(SessionTable(max_sessions), suffixes=suffixes)
+    drafter = NgramDrafter(SessionTable(max_sessions), suffixes=suffixes, min_match=min_match)
     return InProcessDraft("gateway:ngram", drafter, threaded=False)
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from workers.draft.ngram import MIN_MATCH
 from workers.tools.bench.measure import Timed
 
 MODEL_NAME = "bench"  # the name the bench's serve answers to
@@ -44,6 +45,7 @@ class ServeConfig:
     overlap: bool = False  # the overlapped loop (gateway.overlap)
     hybrid: bool = False  # the model draft's trees merged with the gateway's n-gram draft
     prefix_caching: bool = True  # the workers share KV blocks of common prompt prefixes
+    min_match: int = MIN_MATCH  # the n-gram draft's shortest match (--ngram-min-match)
 
     def describe(self) -> str:
         return self.speculation() + ("" if self.prefix_caching else ", no prefix caching")
@@ -58,6 +60,8 @@ class ServeConfig:
         )
         options = (("hybrid", self.hybrid), ("adaptive", self.adaptive), ("overlap", self.overlap))
         extras = [x for x, on in options if on]
+        if self.draft == "ngram" and self.min_match != MIN_MATCH:
+            extras.append(f"after {self.min_match}-token matches")
         return f"{self.draft} {shape}" + (f", {' + '.join(extras)}" if extras else "")
 
 
@@ -150,6 +154,7 @@ class Serve(ServeProcess):
         args += ["--overlap-draft" if config.overlap else "--no-overlap-draft"]
         args += ["--hybrid-draft" if config.hybrid else "--no-hybrid-draft"]
         args += ["--adaptive-knee-tokens", str(knee_tokens)]
+        args += ["--ngram-min-match", str(config.min_match)]
         if not config.prefix_caching:
             args += ["--no-worker-prefix-caching"]
         env = dict(os.environ)
