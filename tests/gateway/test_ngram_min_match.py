@@ -24,15 +24,15 @@ def drafted(drafter: NgramDrafter, history: list[int]) -> list[int]:
     return tree.tokens.tolist()
 
 
-def test_by_default_it_drafts_after_two_token_matches_and_not_after_one():
-    assert MIN_MATCH == 2
+def test_by_default_it_drafts_after_one_token_matches():
     drafter = NgramDrafter(SessionTable(4))
-    assert drafted(drafter, ONE) == []
+    assert MIN_MATCH == 1
+    assert drafted(drafter, ONE) == [9, 7, 5]
     assert drafted(drafter, TWO) == [7, 8, 5]
 
 
-@pytest.mark.parametrize(("min_match", "one", "two"), [(1, [9, 7, 5], [7, 8, 5]), (3, [], [])])
-def test_the_shortest_match_is_a_setting(min_match, one, two):
+@pytest.mark.parametrize(("min_match", "one", "two"), [(2, [], [7, 8, 5]), (3, [], [])])
+def test_a_longer_shortest_match_drafts_less(min_match, one, two):
     drafter = NgramDrafter(SessionTable(4), min_match=min_match)
     assert drafted(drafter, ONE) == one
     assert drafted(drafter, TWO) == two

@@ -16,11 +16,12 @@ from workers.protocol import ProposeCall, TreeSpec, WorkerInfo
 from workers.speculation.ngram import ngram_tree
 from workers.speculation.tree import TokenTree, check_tokens
 
-# The shortest suffix the drafter copies after. One-token matches are right 15% (chat)
-# to 28% (grounded) of the time, two-token ones 42-69% (bench/RESULTS.md, "Prompt
-# lookup's shortest match"): beside other sessions in a target's batch, a node drafted
-# after one token costs more than it saves.
-MIN_MATCH = 2
+# The shortest suffix the drafter copies after by default. A one-token match is right
+# less often (first token: 15% on chat, 28% on grounded rewrites; two-token matches
+# 42-69%), yet on copy-heavy text its chains pay even at 4-8 streams: 2 made the default
+# 13% slower at 4 grounded streams and 5% faster at 4 chat streams (bench/RESULTS.md,
+# "The n-gram draft's shortest match").
+MIN_MATCH = 1
 
 
 def lookup_tree(

@@ -9,8 +9,8 @@ Rows (pick with --rows):
   ngram-chain           n-gram draft, a chain (branching 1), fixed size
   ngram-tree            n-gram draft, a tree with the chain's node budget, fixed size
   ngram-tree-adaptive   the same tree, adaptive (the default configuration)
-  ngram-tree-adaptive-min1  the default drafting after one-token matches too
-                        (--ngram-min-match 1)
+  ngram-tree-adaptive-min2  the default drafting after two-token matches or longer
+                        (--ngram-min-match 2)
   model-chain           model draft, a chain, fixed size
   model-tree            model draft, a tree, fixed size
   model-tree-adaptive   model draft, adaptive tree
@@ -124,7 +124,7 @@ def serve_configs(s: BenchSettings) -> dict[str, ServeConfig]:
         ServeConfig("ngram-chain", "ngram", nb, 1, nb),
         ServeConfig("ngram-tree", "ngram", nd, 2, nb),
         ServeConfig("ngram-tree-adaptive", "ngram", nd, 2, nb, adaptive=True),
-        ServeConfig("ngram-tree-adaptive-min1", "ngram", nd, 2, nb, adaptive=True, min_match=1),
+        ServeConfig("ngram-tree-adaptive-min2", "ngram", nd, 2, nb, adaptive=True, min_match=2),
         ServeConfig("model-chain", "model", mb, 1, mb),
         ServeConfig("model-tree", "model", md, mk, mb),
         ServeConfig("model-tree-adaptive", "model", md, mk, mb, adaptive=True),
