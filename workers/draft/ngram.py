@@ -18,8 +18,8 @@ from workers.speculation.tree import TokenTree, check_tokens
 
 # The shortest suffix the drafter copies after by default. A one-token match is right
 # less often (first token: 15% on chat, 28% on grounded rewrites; two-token matches
-# 42-69%), yet on copy-heavy text its chains pay even at 4-8 streams: 2 made the default
-# 13% slower at 4 grounded streams and 5% faster at 4 chat streams (bench/RESULTS.md,
+# 42-69%), yet on copy-heavy text its chains pay: in one sweep 2 made the default 10-13%
+# slower at 1 and 4 grounded streams and gained nowhere beyond noise (bench/RESULTS.md,
 # "The n-gram draft's shortest match").
 MIN_MATCH = 1
 
