@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from gateway.pool import Worker
 from workers.speculation.tree import TokenTree, subtree
 
 
@@ -33,6 +34,7 @@ class Lookahead:
     guess: list[int]  # the tokens it assumes that round commits first (a spine prefix)
     held_before: int  # what the draft held before the look-ahead call
     budget: int  # most nodes the next round may verify
+    worker: Worker  # the draft worker asked (the session's, when it started)
     task: asyncio.Task  # -> TokenTree after history[:base] + guess
 
     def next_tree(self, tree: TokenTree, committed: list[int]) -> TokenTree | None:
@@ -42,14 +44,15 @@ class Lookahead:
             return None
         return subtree(tree, committed[n:], self.budget)
 
-    async def result(self) -> TokenTree | None:
-        """The look-ahead tree, or None when its call failed."""
+    async def result(self) -> TokenTree | Exception:
+        """The look-ahead tree, or what its call failed with (a failed guess only costs
+        the fresh propose)."""
         try:
             return await self.task
         except asyncio.CancelledError:
             raise
-        except Exception:  # noqa: BLE001 - a failed guess only costs the fresh propose
-            return None
+        except Exception as error:  # noqa: BLE001 - the caller decides what it says
+            return error
 
     async def cancel(self) -> None:
         self.task.cancel()

@@ -49,6 +49,7 @@ from workers.protocol import (
     TreeSpec,
     VerifyOutcome,
     WorkerBusy,
+    WorkerDown,
     WorkerError,
 )
 from workers.speculation.tree import TokenTree, depths, spine
@@ -217,11 +218,14 @@ class Speculation(Loop):
             return await self.propose()
         tree = await ahead.result()
         committed = self.history[ahead.base :]
-        if tree is None:  # the call failed: the draft holds what it held before, or the guess
+        ready = None
+        if isinstance(tree, Exception):  # the draft holds what it held before, or the guess
             self.draft.held = min(self.draft.held, ahead.held_before)
+            if isinstance(tree, WorkerDown) and self.draft.worker is ahead.worker:
+                self.leave("draft", tree, set())  # hung or gone: the fresh propose fails over
         else:  # the draft holds history[:base] + guess; keep what the outcome agrees with
             self.draft.held = ahead.base + common_prefix(ahead.guess, committed)
-        ready = ahead.next_tree(tree, committed) if tree is not None else None
+            ready = ahead.next_tree(tree, committed)
         if ready is not None:
             self.counters.lookahead_hits += 1
             return ready, False
@@ -263,8 +267,11 @@ class Speculation(Loop):
         spec = replace(spec, depth=spec.depth + 1, budget=min(2 * budget + 1, room))
         held = self.draft.held
         call = self.propose_call(held, guess, spec)
-        task = asyncio.get_running_loop().create_task(worker.backend.propose(call))
-        self.lookahead = Lookahead(len(self.history), guess, held, budget, task)
+        # bounded like any propose: a hung draft fails the guess, not the stream
+        work = len(call.tokens) + spec.budget
+        bounded = self.route.call(worker, work, worker.backend.propose(call))
+        task = asyncio.get_running_loop().create_task(bounded)
+        self.lookahead = Lookahead(len(self.history), guess, held, budget, worker, task)
 
     async def finish(self) -> None:
         if self.lookahead is not None:

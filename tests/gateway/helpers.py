@@ -91,6 +91,30 @@ def model_draft(path: Path, address: str = "d0", slots: int = 4) -> InProcessDra
     return InProcessDraft(address, model_drafter(engine, SessionTable(slots)))
 
 
+class StallingDraft(InProcessDraft):
+    """A model draft whose proposes deeper than `stall_deeper_than` levels hang for
+    `stall_s` once it is set (a draft that hangs on such calls), counting those the
+    gateway cancelled."""
+
+    stall_s: float = 0.0
+    stall_deeper_than: int = 0
+    cancelled: int = 0
+
+    async def propose(self, call):
+        if self.stall_s and call.spec.depth > self.stall_deeper_than:
+            try:
+                await asyncio.sleep(self.stall_s)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        return await super().propose(call)
+
+
+def stalling_draft(path: Path, address: str, slots: int = 4) -> StallingDraft:
+    engine = load_engine(path, slots)
+    return StallingDraft(address, model_drafter(engine, SessionTable(slots)))
+
+
 def settings(model_dir: Path, targets: list[str], drafts: list[str] = (), **kw) -> GatewaySettings:
     values = dict(
         target_model=str(model_dir),

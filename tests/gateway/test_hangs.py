@@ -1,5 +1,6 @@
 """Hangs fail over as fast as crashes (gateway/hangs.py): the bound from a worker's own
-recent calls, and a stalled target behind the real gateway, with one target and with two."""
+recent calls, a stalled target behind the real gateway, with one target and with two, and
+a draft that hangs under the overlapped loop's look-ahead."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import pytest
 
 from gateway import hangs
 from gateway.hangs import CallTimes, Hung
-from tests.gateway.helpers import live, slow_target
+from tests.gateway.helpers import live, slow_target, stalling_draft, target
 from tests.gateway.test_routing import CHAT, client_of, stream_text
+
+TREE_DEPTH = 4
 
 
 def test_no_bound_until_the_worker_answered_enough_calls():
@@ -100,3 +103,41 @@ def test_with_one_target_a_slow_call_is_waited_for(tiny_dir):
         metrics = httpx.get(gateway.url + "/metrics").text
         assert 'specsplit_hung_calls_total{role="target"} 0.0' in metrics
         assert 'specsplit_failovers_total{role="target"} 0.0' in metrics
+
+
+def test_a_draft_that_hangs_under_a_lookahead_fails_over_with_the_same_text(
+    tiny_dir, tiny_draft_dir
+):
+    """With the overlapped loop a look-ahead propose starts before a verify and is awaited
+    after it: one to a hung draft is bounded like any propose, and the session moves to
+    the other draft. The draft hangs on look-aheads only (drafted a level deeper than the
+    configured tree), so nothing else could trip the bound."""
+    drafts = [stalling_draft(tiny_draft_dir, "d0"), stalling_draft(tiny_draft_dir, "d1")]
+    for draft in drafts:
+        draft.stall_deeper_than = TREE_DEPTH
+    kw = dict(messages=CHAT, max_tokens=48, temperature=0)
+    settings = dict(overlap_draft=True, adaptive_tree=False, rpc_timeout_s=600)
+    settings.update(tree_depth=TREE_DEPTH)
+    with live(tiny_dir, [target(tiny_dir), *drafts], suffix_cache_tokens=0, **settings) as gateway:
+        client = client_of(gateway)
+        clean = stream_text(client, **kw)
+        workers = gateway.gateway.router.drafts.workers.values()
+        for _ in range(8):  # until both drafts answered enough calls for a bound
+            if all(len(w.times.rates) >= hangs.MIN_CALLS for w in workers):
+                break
+            assert stream_text(client, **kw) == clean
+        stalled: list[str] = []
+
+        def on_chunk(_: int) -> None:
+            busy = next((w for w in workers if w.load > 0), None)
+            if stalled or busy is None:
+                return
+            next(d for d in drafts if d.address == busy.address).stall_s = 600
+            stalled.append(busy.address)
+
+        assert stream_text(client, on_chunk=on_chunk, **kw) == clean
+        hung = next(d for d in drafts if d.address == stalled[0])
+        assert hung.cancelled >= 1
+        metrics = httpx.get(gateway.url + "/metrics").text
+        assert 'specsplit_hung_calls_total{role="draft"} 1.0' in metrics
+        assert 'specsplit_failovers_total{role="draft"} 1.0' in metrics

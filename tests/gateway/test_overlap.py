@@ -61,7 +61,7 @@ async def test_lookahead_needs_the_guess_then_a_path_of_its_tree():
     async def nothing():
         return None
 
-    ahead = Lookahead(5, [7], 3, 8, asyncio.ensure_future(nothing()))
+    ahead = Lookahead(5, [7], 3, 8, None, asyncio.ensure_future(nothing()))
     ahead_tree = tree(*EXAMPLE)  # drafted after the guess 7
     assert ahead.next_tree(ahead_tree, [7, 10]).tokens.tolist() == [20, 21, 40]
     assert ahead.next_tree(ahead_tree, [7, 10, 20]).tokens.tolist() == [40]
