@@ -183,3 +183,15 @@ def test_rows_take_turns_at_each_point_and_the_median_serve_stands(monkeypatch):
     assert [round(x, 3) for x in ratios] == [0.909, 1.083, 0.933]
     table = report.markdown(run)
     assert "| ngram-tree-adaptive | 0.20 / 0.67 / 0.88 | 0.91 / 1.08 / 0.93 |" in table
+
+
+def test_streams_send_the_prompts_once_or_at_least_the_minimum():
+    assert suite.requests_per_stream(24, 1, 1) == 24
+    assert suite.requests_per_stream(24, 32, 1) == 1  # one wave
+    assert suite.requests_per_stream(24, 16, 1) == 2
+    assert suite.requests_per_stream(24, 32, 4) == 4  # most of the point with 32 busy
+    assert suite.requests_per_stream(24, 1, 4) == 24
+    one_wave = report.markdown(Run(BenchSettings(), "test machine", "", (0.0, 0.0, 0.0)))
+    assert "at least" not in one_wave
+    steady = BenchSettings(min_requests_per_stream=4)
+    assert "at least 4 requests" in report.markdown(Run(steady, "test machine", "", (0, 0, 0)))

@@ -199,6 +199,16 @@ def turns(s) -> str:
     return f" ({s.repeats} serves each, rows taking turns; the median by tok/s shown)"
 
 
+def steady(s) -> str:
+    """How many requests a sweep point's streams send, where it is not one wave."""
+    if s.min_requests_per_stream <= 1:
+        return ""
+    return (
+        f"; each stream of a point sends at least {s.min_requests_per_stream} requests "
+        "(the prompts cycled), so most of a point runs with every stream busy"
+    )
+
+
 def markdown(run: Run) -> str:
     s = run.settings
     lines = [
@@ -210,7 +220,8 @@ def markdown(run: Run) -> str:
         f"at most {s.max_tokens} new tokens per request. Model draft: {run.draft or '-'}. "
         f"Workloads: {workloads(s)}. SpecSplit rows: `specsplit serve` per row and point"
         f"{turns(s)}, workers with {s.worker_threads or 'the default number of'} torch "
-        f"thread(s), streamed over HTTP with httpx. The run took {run.seconds / 60:.1f} min.",
+        f"thread(s), streamed over HTTP with httpx{steady(s)}. The run took "
+        f"{run.seconds / 60:.1f} min.",
         "",
         "## One stream",
         "",

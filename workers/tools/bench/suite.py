@@ -29,7 +29,8 @@ first --humaneval problems), `chat` and `shared-system` (chat after one long
 system prompt). One stream runs each workload's prompts one after the other;
 the sweep runs the --sweep-rows at each of --streams concurrent streams on
 --sweep-workload, the streams taking the prompts from one queue
-(`serving.run_streams`). At each point the rows take turns, --repeats times (a
+(`serving.run_streams`), each stream sending at least
+--min-requests-per-stream of them. At each point the rows take turns, --repeats times (a
 fresh serve each time), and the serve with the median tok/s stands for its
 row: a slow minute of the machine then falls on every row alike. The report
 also sets each turn's serve against speculation off's of the same turn: the
@@ -87,6 +88,15 @@ class BenchSettings(BaseSettings):
     humaneval: int = Field(4, ge=1, le=164, description="HumanEval problems (the first N)")
     max_tokens: int = Field(96, ge=1, description="most new tokens per request")
     streams: str = Field("1,4,8,16", description="concurrency sweep: streams per point")
+    min_requests_per_stream: int = Field(
+        1,
+        ge=1,
+        description="each stream of a point sends the workload's prompts once between the "
+        "streams (ceil(prompts / streams) requests) and at least this many: above 1 most "
+        "of a point runs with every stream busy (a steady load, as `benchmark_serving` "
+        "with many more prompts than --max-concurrency) instead of one wave ending on its "
+        "slowest requests",
+    )
     sweep_rows: str = Field(
         "off,ngram-tree,ngram-tree-adaptive", description="rows swept over --streams"
     )
@@ -297,7 +307,7 @@ def measure(
 ) -> Result:
     """Sends the workload's conversations over `n` streams; prints and returns the result."""
     s = run.settings
-    per_stream = max(1, math.ceil(len(conversations) / n))
+    per_stream = requests_per_stream(len(conversations), n, s.min_requests_per_stream)
     before = phase_buckets(serve.url)
     timed, wall = asyncio.run(
         run_streams(serve.url, conversations, n, per_stream, s.max_tokens, count_tokens)
@@ -316,6 +326,12 @@ def measure(
     )
     print(report.progress(result), flush=True)
     return result
+
+
+def requests_per_stream(prompts: int, streams: int, at_least: int) -> int:
+    """What each of `streams` streams sends: the prompts once between them, at least
+    `at_least`."""
+    return max(at_least, math.ceil(prompts / streams))
 
 
 def _ms(seconds: float | None) -> float | None:
