@@ -28,9 +28,11 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 from pydantic_settings import CliPositionalArg
 
+from workers.draft.ngram import MIN_MATCH
 from workers.rpc.security import ServerSecurity, read, read_token
 from workers.rpc.server import ServerOptions, WorkerServer
 from workers.settings import EMBEDDED_MODEL, EngineOptions, parse, settings_config
+from workers.speculation.ngram import MAX_NGRAM
 
 if TYPE_CHECKING:
     from workers.engine.engine import EngineConfig
@@ -57,6 +59,13 @@ class WorkerSettings(EngineOptions):
         "(target), ngram (draft)",
     )
     max_sessions: int = Field(64, ge=1, description="sessions held at once")
+    ngram_min_match: int = Field(
+        MIN_MATCH,
+        ge=1,
+        le=MAX_NGRAM,
+        description="with --model ngram: the shortest suffix (tokens) the draft copies after "
+        "(the gateway's --ngram-min-match, for its in-gateway draft)",
+    )
     kv_tokens: int = Field(
         69632,
         ge=1,

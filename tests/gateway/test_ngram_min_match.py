@@ -8,6 +8,7 @@ from pydantic import ValidationError
 
 from gateway.settings import GatewaySettings
 from tests.gateway.helpers import MODEL, live, load_engine
+from tests.workers.helpers import draft_worker
 from workers.draft.ngram import MIN_MATCH, NgramDrafter
 from workers.engine.sessions import SessionTable
 from workers.loop.inprocess import InProcessTarget
@@ -63,3 +64,11 @@ def test_the_gateways_draft_follows_the_setting_and_the_text_stays_the_targets(t
         texts[min_match] = reply.choices[0].message.content
     assert texts[1] == texts[3]
     assert stats[1] > stats[3]
+
+
+@pytest.mark.parametrize(("min_match", "one"), [(MIN_MATCH, [9, 7, 5]), (2, [])])
+async def test_a_remote_ngram_draft_worker_takes_the_setting(min_match, one):
+    """`specsplit worker draft --model ngram --ngram-min-match N`, over gRPC."""
+    async with draft_worker(None, ngram_min_match=min_match) as (_, draft):
+        tree = await draft.propose(ProposeCall("s", 0, ONE, SPEC))
+        assert tree.tokens.tolist() == one

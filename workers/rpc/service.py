@@ -164,7 +164,8 @@ def runner_for(
     if engine is None:
         if role == "target":
             raise ValueError("the target needs a model; 'ngram' is a draft only")
-        return NgramDrafter(SessionTable(settings.max_sessions, idle_s)), 0
+        table = SessionTable(settings.max_sessions, idle_s)
+        return NgramDrafter(table, min_match=settings.ngram_min_match), 0
     metered = MeteredEngine(engine, metrics.observe_forward)
     table = SessionTable(engine.num_slots, idle_s)
     chunk = settings.prefill_chunk or None
