@@ -268,9 +268,7 @@ class Speculation(Loop):
         held = self.draft.held
         call = self.propose_call(held, guess, spec)
         # bounded like any propose: a hung draft fails the guess, not the stream
-        work = len(call.tokens) + spec.budget
-        bounded = self.route.call(worker, work, worker.backend.propose(call))
-        task = asyncio.get_running_loop().create_task(bounded)
+        task = asyncio.ensure_future(self.call_propose(worker, call))
         self.lookahead = Lookahead(len(self.history), guess, held, budget, worker, task)
 
     async def finish(self) -> None:

@@ -265,6 +265,12 @@ class Loop:
             self.session_id, held, tokens, spec, plan.tenant, features, plan.cache_salt
         )
 
+    def call_propose(self, worker: Placed, call: ProposeCall) -> Awaitable[TokenTree]:
+        """The worker's propose, through the route (bounded as its hang rule says); its
+        work is the tokens sent and the tree's nodes."""
+        work = len(call.tokens) + call.spec.budget
+        return self.route.call(worker, work, worker.backend.propose(call))
+
     async def draft_tree(self, spec: TreeSpec) -> tuple[TokenTree, bool]:
         """The draft worker's tree within `spec`, and whether none answered."""
         tried: set[str] = set()
@@ -277,8 +283,7 @@ class Loop:
             features = self.features if worker.feature_size else None
             call = self.propose_call(self.draft.held, [], spec, features)
             try:
-                work = len(call.tokens) + spec.budget
-                tree = await self.route.call(worker, work, worker.backend.propose(call))
+                tree = await self.call_propose(worker, call)
             except SessionLost as error:
                 self.resend("draft", error, tried)
                 continue
