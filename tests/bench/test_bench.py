@@ -122,7 +122,11 @@ def test_targets_are_judged_from_the_figures():
 
 def test_rows_take_turns_at_each_point_and_the_median_serve_stands(monkeypatch):
     s = BenchSettings(
-        streams="1,16", sweep_rows="off,ngram-tree-adaptive", sweep_workload="chat", repeats=3
+        streams="1,16",
+        sweep_rows="off,ngram-tree-adaptive",
+        sweep_workload="chat",
+        repeats=3,
+        dtype="bfloat16",
     )
     configs = serve_configs(s)
     rows = [configs["off"], configs["ngram-tree-adaptive"], configs["ngram-chain"]]
@@ -138,7 +142,8 @@ def test_rows_take_turns_at_each_point_and_the_median_serve_stands(monkeypatch):
     class FakeServe:
         url = "http://fake"
 
-        def __init__(self, config, model, draft, sessions, knee, threads):
+        def __init__(self, config, model, draft, sessions, knee, threads, dtype):
+            assert dtype == "bfloat16"  # every serve's workers in the run's dtype
             self.sessions = sessions
 
         def __enter__(self):
@@ -183,6 +188,12 @@ def test_rows_take_turns_at_each_point_and_the_median_serve_stands(monkeypatch):
     assert [round(x, 3) for x in ratios] == [0.909, 1.083, 0.933]
     table = report.markdown(run)
     assert "| ngram-tree-adaptive | 0.20 / 0.67 / 0.88 | 0.91 / 1.08 / 0.93 |" in table
+
+
+def test_transformers_rows_refuse_another_dtype():
+    s = BenchSettings(rows="hf-generate,off", dtype="bfloat16")
+    with pytest.raises(SystemExit, match="hf-generate run in float32"):
+        suite.run_suite(s)
 
 
 def test_streams_send_the_prompts_once_or_at_least_the_minimum():

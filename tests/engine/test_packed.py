@@ -39,12 +39,13 @@ def test_packed_rows_do_not_depend_on_the_rows_beside_them():
             assert torch.equal(packed(x[:rows])[:17], alone[:rows])
 
 
-def test_only_float32_on_cpu_is_packed():
+def test_only_float32_on_cpu_is_onednn_packed_and_float16_is_left_alone(tmp_path):
+    # bfloat16 on the CPU has its own kernel (tests/engine/test_bf16_linear.py)
     assert not can_pack(torch.bfloat16, torch.device("cpu"))
     model = nn.Module()
-    model.lm_head = nn.Linear(4, 4).to(torch.bfloat16)
+    model.lm_head = nn.Linear(4, 4).to(torch.float16)
     model.blocks = []
-    assert not pack_linears(model)
+    assert not pack_linears(model, tmp_path)
 
 
 @needs_packing

@@ -39,8 +39,9 @@ class EngineConfig:
     # KV cache positions shared by all sessions; None = every session at its full context
     kv_tokens: int | None = None
     kv_block_size: int = 16  # positions per KV block (the unit sessions take and return)
-    # float32 on CPU: oneDNN-packed linear layers (engine/packed.py); they also round a row
-    # the same whatever rows share the product, which plain (MKL) float32 layers do not
+    # on the CPU, float32: oneDNN-packed linear layers (engine/packed.py); they also round a
+    # row the same whatever rows share the product, which plain (MKL) float32 layers do not;
+    # bfloat16: the compiled kernel's packed panels (engine/bf16_linear.py)
     pack_weights: bool = True
     # "compiled" (workers/engine/paged_attention.py), "chunked" (workers/engine/attention.py),
     # or "auto": compiled where it can serve (a CPU, float32 or bfloat16, a C compiler)
@@ -90,16 +91,16 @@ class Engine:
 
         shape = LlamaShape.from_config(hf_model.config)
         dtype = next(hf_model.parameters()).dtype
+        kernels = config.cache_dir or default_cache_dir()  # where compiled kernels are cached
         compiled = compiled_attention(
-            config.attention, torch.device(config.device), dtype, shape.head_dim,
-            config.cache_dir or default_cache_dir(),
-        )  # fmt: skip
+            config.attention, torch.device(config.device), dtype, shape.head_dim, kernels
+        )
         if fuse is None:
             model = NativeLlama(hf_model, compiled).eval()
         else:
             model = EagleHead(hf_model, fuse, compiled).eval()
         if config.pack_weights:
-            pack_linears(model)
+            pack_linears(model, kernels)
         context = min(config.max_seq_len, shape.max_positions)
         room = context + config.max_tree_nodes  # cache columns one session may reach
         cache = PagedKVCache(

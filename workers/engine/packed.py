@@ -13,16 +13,20 @@ single row differently from several), which keeps the forward
 batch-invariant (workers/engine/attention.py).
 
 `pack_linears` swaps the native model's linear layers for packed ones when
-the model is float32 on the CPU and this torch build has the oneDNN ops;
-otherwise it leaves the model as it is.
+the model is float32 on the CPU and this torch build has the oneDNN ops, and
+for the compiled kernel's (workers/engine/bf16_linear.py) when it is bfloat16
+on the CPU and the kernel builds; otherwise it leaves the model as it is.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 from torch import nn
+
+from workers.engine.bf16_linear import Bf16Linear, bf16_kernel
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +65,20 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
 
-def pack_linears(model: nn.Module) -> bool:
-    """Packs the blocks' projections and the LM head of a NativeLlama; True when it did."""
+def pack_linears(model: nn.Module, cache_dir: Path) -> bool:
+    """Packs the blocks' projections and the LM head of a NativeLlama; True when it did.
+    `cache_dir`: where the bfloat16 kernel's library is cached."""
     weight = model.lm_head.weight
-    if not can_pack(weight.dtype, weight.device):
+    if can_pack(weight.dtype, weight.device):
+        make = PackedLinear
+    elif (kernel := bf16_kernel(weight.dtype, weight.device, cache_dir)) is not None:
+
+        def make(linear: nn.Linear) -> nn.Module:
+            return Bf16Linear(linear, kernel)
+    else:
         return False
     for block in model.blocks:
         for name in LAYERS:
-            setattr(block, name, PackedLinear(getattr(block, name)))
-    model.lm_head = PackedLinear(model.lm_head)
+            setattr(block, name, make(getattr(block, name)))
+    model.lm_head = make(model.lm_head)
     return True

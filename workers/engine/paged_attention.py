@@ -13,11 +13,9 @@ construction instead of by padding. Every sum runs in one fixed order (dot
 products over 8 lanes, then keys in list order), in float32 whatever the
 cache's dtype (float32 or bfloat16).
 
-The library is built once per machine by the system's C compiler (`$CC`, else
-`cc`; `-O3 -march=native`) and cached under the model cache, named by the hash
-of its source, flags and CPU. Where no compiler builds it, or the engine runs
-off the CPU or in float16, the engine keeps attention.py's chunked attention
-(`EngineConfig.attention`).
+The library is built once per machine and cached (workers/engine/native.py).
+Where no compiler builds it, or the engine runs off the CPU or in float16, the
+engine keeps attention.py's chunked attention (`EngineConfig.attention`).
 
 Shapes: N tokens, H query heads, Hkv key/value heads, P pool positions, D head
 size, M listed keys in all.
@@ -26,66 +24,29 @@ size, M listed keys in all.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import get_args
 
 import torch
 
+from workers.engine import native
 from workers.engine.batch import VisibleKeys
 from workers.settings import Attention
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 LANES = 8  # the kernel's vector width: the head size must be a multiple of it
 MAX_DIM = 512  # the kernel's largest head size
 ENTRY = {torch.float32: "attend_f32", torch.bfloat16: "attend_bf16"}
 ATTENTION = get_args(Attention)  # EngineConfig.attention
 
 
-def cpu_identity() -> str:
-    """The CPU the library is built for: its model and feature flags (Linux), else the machine."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.machine()
-    wanted = ("model name", "flags", "Features", "CPU part")
-    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
-
-
-def library_path(cache_dir: Path, compiler: str) -> Path:
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode()):
-        digest.update(part)
-    digest.update(cpu_identity().encode())
-    return cache_dir / "kernels" / f"paged_attention-{digest.hexdigest()[:16]}.so"
-
-
 def build(cache_dir: Path) -> Path:
-    """The compiled library for this machine, building it first if the cache lacks it;
-    raises OSError (no compiler) or CalledProcessError (it failed)."""
-    compiler = os.environ.get("CC", "cc")
-    path = library_path(cache_dir, compiler)
-    if path.is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        built = Path(tmp) / path.name
-        subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), str(SOURCE)],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        built.replace(path)  # atomic: processes building at once each install a whole file
-    return path
+    """The compiled library for this machine (workers/engine/native.py)."""
+    return native.build(SOURCE, cache_dir)
 
 
 def supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -112,7 +73,7 @@ class CompiledAttention:
     def load(cls, cache_dir: Path, dtype: torch.dtype) -> CompiledAttention:
         """Builds (once per machine) and loads the kernel; raises OSError or
         CalledProcessError where it cannot."""
-        return cls(ctypes.CDLL(str(build(cache_dir))), dtype)
+        return cls(native.load(SOURCE, cache_dir), dtype)
 
     def __call__(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, keys: VisibleKeys

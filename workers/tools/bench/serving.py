@@ -141,6 +141,7 @@ class Serve(ServeProcess):
         max_sessions: int,
         knee_tokens: float,
         worker_threads: int = 0,
+        dtype: str = "float32",
         timeout_s: float = 600.0,
     ):
         self.config = config
@@ -154,7 +155,7 @@ class Serve(ServeProcess):
         args += ["--overlap-draft" if config.overlap else "--no-overlap-draft"]
         args += ["--hybrid-draft" if config.hybrid else "--no-hybrid-draft"]
         args += ["--adaptive-knee-tokens", str(knee_tokens)]
-        args += ["--ngram-min-match", str(config.min_match)]
+        args += ["--ngram-min-match", str(config.min_match), "--dtype", dtype]
         if not config.prefix_caching:
             args += ["--no-worker-prefix-caching"]
         env = dict(os.environ)

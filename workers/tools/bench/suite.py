@@ -49,6 +49,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -113,6 +114,11 @@ class BenchSettings(BaseSettings):
         "default. 1 leaves the second core of a 2-core machine to the gateway and client",
     )
     knee_tokens: float = Field(32.0, ge=0, description="--adaptive-knee-tokens of the serves")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="--dtype of the serves' workers; with bfloat16 only SpecSplit rows run "
+        "(transformers' rows are float32) and texts are checked against the first row's",
+    )
     repeats: int = Field(
         1,
         ge=1,
@@ -190,6 +196,9 @@ def run_suite(s: BenchSettings) -> Run:
     unknown = [r for r in rows if r not in HF_ROWS and r not in configs]
     if unknown:
         raise SystemExit(f"unknown rows: {', '.join(unknown)}")
+    in_float32 = [r for r in rows if r in HF_ROWS]
+    if in_float32 and s.dtype != "float32":
+        raise SystemExit(f"{', '.join(in_float32)} run in float32: drop them for --dtype {s.dtype}")
     target_dir = resolve_model(s.target_model)
     tokenizer = load_tokenizer(target_dir)
     needs_draft = any(
@@ -286,6 +295,7 @@ def run_serves(run: Run, configs: list[ServeConfig], workloads, draft_dir, token
                     sessions[config.name],
                     s.knee_tokens,
                     s.worker_threads,
+                    s.dtype,
                 ) as serve:
                     greeting = warm_up(workloads[workload])
                     asyncio.run(run_streams(serve.url, [greeting], 1, 1, 8, count_tokens))

@@ -1,0 +1,116 @@
+"""The compiled bfloat16 linear kernel (workers/engine/bf16_linear.py): it multiplies like a
+bfloat16 layer, a row's result never depends on the rows beside it (what keeps a bfloat16
+forward batch-invariant, tests/engine/test_batch_invariance.py), and the engine uses it for
+bfloat16 on the CPU, keeping torch's layers where it does not build.
+
+Both builds are tested where the CPU runs them: the AVX512_BF16 one, and the AVX2 one
+(built here with AVX512_BF16 switched off, as on CPUs without it)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.engine.tiny import tiny_hf_model
+from workers.engine.batch import SlotInput
+from workers.engine.bf16_linear import Bf16Kernel, Bf16Linear, bf16_kernel
+from workers.engine.engine import Engine, EngineConfig
+
+BUILDS = {"native": (), "avx2": ("-mno-avx512bf16",)}
+
+
+def cpu_has(flag: str) -> bool:
+    try:
+        return flag in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def kernel(request, tmp_path_factory) -> Bf16Kernel:
+    if request.param == "avx2" and not cpu_has("avx512_bf16"):
+        pytest.skip("the native build is the AVX2 one on this CPU")
+    try:
+        return Bf16Kernel.load(tmp_path_factory.mktemp("kernels"), BUILDS[request.param])
+    except (OSError, subprocess.CalledProcessError) as error:
+        pytest.skip(f"the kernel does not build here: {getattr(error, 'stderr', error)}")
+
+
+def weights(n: int, k: int, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()  # (N, K)
+    b = (torch.randn(n, generator=g) * 0.1).bfloat16() if bias else None  # (N,)
+    return w, b
+
+
+@pytest.mark.parametrize(("n", "k"), [(64, 32), (200, 96), (37, 61), (576, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 13])
+def test_it_multiplies_like_a_bfloat16_layer(kernel, n, k, bias, rows):
+    w, b = weights(n, k, bias)
+    x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(1))).bfloat16()  # (R, K)
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())  # (R, N)
+    y = kernel.linear(x, kernel.pack(w), b, n)  # (R, N) bfloat16
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    # float32 sums of K products, rounded once to bfloat16: within one bf16 ulp (2^-8 relative)
+    # of the exact value, plus float32 rounding of the sum
+    slack = exact.abs() * 2**-8 + (x.double().abs() @ w.double().abs().T) * k * 2**-24
+    assert ((y.double() - exact).abs() <= slack + 1e-30).all()
+
+
+@pytest.mark.parametrize(("n", "k"), [(200, 96), (37, 61)])
+def test_a_row_is_the_same_bits_whatever_rows_share_the_call(kernel, n, k):
+    w, b = weights(n, k, bias=True)
+    panels = kernel.pack(w)
+    x = torch.randn(130, k, generator=torch.Generator().manual_seed(2)).bfloat16()  # (130, K)
+    alone = torch.cat([kernel.linear(x[i : i + 1], panels, b, n) for i in range(20)])  # (20, N)
+    for rows in (2, 3, 5, 6, 7, 12, 17, 20, 130):
+        assert torch.equal(kernel.linear(x[:rows], panels, b, n)[:20], alone[:rows])
+
+
+def test_the_layer_keeps_leading_dimensions(kernel):
+    linear = nn.Linear(48, 80, bias=True).to(torch.bfloat16)
+    layer = Bf16Linear(linear, kernel)
+    x = torch.randn(2, 3, 48).bfloat16()
+    with torch.inference_mode():
+        y = layer(x)
+        assert y.shape == (2, 3, 80)
+        assert torch.equal(y[1, 2], layer(x[1, 2:3])[0])
+        assert torch.allclose(y.float(), linear(x).float(), atol=0.05, rtol=0.02)
+
+
+def test_a_bfloat16_engine_on_the_cpu_uses_it_and_matches_torch_layers(tmp_path):
+    if bf16_kernel(torch.bfloat16, torch.device("cpu"), tmp_path) is None:
+        pytest.skip("the kernel does not build here")
+    hf = tiny_hf_model(seed=5).to(torch.bfloat16)
+    config = EngineConfig(model="tiny", max_sessions=1, max_seq_len=64, cache_dir=tmp_path)
+    engines = [
+        Engine.from_hf(hf, None, EngineConfig(**{**vars(config), "pack_weights": p}), "tiny")
+        for p in (False, True)
+    ]
+    assert isinstance(engines[1].model.lm_head, Bf16Linear)
+    assert isinstance(engines[0].model.lm_head, nn.Linear)
+    prompt = list(range(3, 20))
+    outs = []
+    for engine in engines:
+        engine.forward([SlotInput(0, 0, list(range(-1, len(prompt) - 1)), prompt)])
+        outs.append(engine.forward([SlotInput(0, len(prompt), [-1], [7])])[0])
+    # two bfloat16 forwards rounding in different orders: close, not equal
+    assert torch.allclose(outs[0], outs[1], atol=0.25, rtol=0.05)
+
+
+def test_without_a_working_compiler_the_engine_keeps_torch_layers(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    hf = tiny_hf_model(seed=5).to(torch.bfloat16)
+    config = EngineConfig(model="tiny", max_sessions=1, max_seq_len=64, cache_dir=tmp_path)
+    with caplog.at_level(logging.WARNING):
+        engine = Engine.from_hf(hf, None, config, "tiny")
+    assert isinstance(engine.model.lm_head, nn.Linear)
+    assert "kernel did not build" in caplog.text
+    logits = engine.forward([SlotInput(0, 0, [-1, 0], [3, 4], logits_for=2)])[0]
+    assert logits.shape == (2, 96)

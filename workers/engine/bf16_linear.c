@@ -1,0 +1,235 @@
+/* bfloat16 linear layers for the CPU engine: see workers/engine/bf16_linear.py.
+
+   y = x W^T + b for bfloat16 x (R, K), W (N, K) and b (N,), W packed once into panels of
+   PANEL outputs. Every output is one chain of multiply-adds over k in order, in float32,
+   whichever tile computes it, so a row's result never depends on the rows beside it; it is
+   rounded to bfloat16 (to nearest, ties to even) once, after the bias.
+
+   Two builds, picked by the CPU the library is compiled for:
+   - AVX512_BF16: panels (K / 2, PANEL, 2); each step adds the products of two consecutive
+     k (vdpbf16ps), weights and inputs read as bfloat16.
+   - AVX2 and FMA: panels (K, PANEL); weights and inputs widened exactly to float32, one
+     fused multiply-add per k.
+   A decode step's few rows stream the panels once (memory-bound); more rows reuse each
+   panel from the cache for every tile of rows. */
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(__AVX512BF16__) && !(defined(__AVX2__) && defined(__FMA__))
+#error "the bfloat16 linear kernel needs AVX512_BF16, or AVX2 and FMA"
+#endif
+
+#define PANEL 64 /* outputs a packed panel holds */
+
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+static inline uint16_t float_to_bf16(float x) { /* nearest, ties to even */
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* y[n0 + i] = bf16(acc[i] + b[n0 + i]) for the outputs below n_dim */
+static inline void finish(const float *acc, int count, const uint16_t *bias, int64_t n0,
+                          int64_t n_dim, uint16_t *y) {
+    for (int i = 0; i < count && n0 + i < n_dim; i++)
+        y[n0 + i] = float_to_bf16(bias ? acc[i] + bf16_to_float(bias[n0 + i]) : acc[i]);
+}
+
+#if defined(__AVX512BF16__)
+
+#define RT 6 /* rows a tile computes: 6 x 4 accumulators and 4 weight registers of 32 */
+#define VECS (PANEL / 16)
+
+int64_t panel_elements(int64_t n_dim, int64_t k_dim) {
+    return (n_dim + PANEL - 1) / PANEL * ((k_dim + 1) / 2) * PANEL * 2;
+}
+
+/* W (N, K) -> panels (ceil(N / PANEL), ceil(K / 2), PANEL, 2), zero past N and K */
+void pack(const uint16_t *w, uint16_t *panels, int64_t n_dim, int64_t k_dim) {
+    const int64_t pairs = (k_dim + 1) / 2, count = (n_dim + PANEL - 1) / PANEL;
+    for (int64_t p = 0; p < count; p++)
+        for (int64_t kk = 0; kk < pairs; kk++)
+            for (int64_t j = 0; j < PANEL; j++)
+                for (int64_t half = 0; half < 2; half++) {
+                    const int64_t n = p * PANEL + j, k = 2 * kk + half;
+                    panels[((p * pairs + kk) * PANEL + j) * 2 + half] =
+                        n < n_dim && k < k_dim ? w[n * k_dim + k] : 0;
+                }
+}
+
+/* rows r0 .. r0 + nr of x (pairs of k as 32-bit units) against one panel */
+static inline __attribute__((always_inline)) void tile(const uint32_t *x, const uint32_t *panel,
+                                                       int64_t pairs, int64_t r0, int nr,
+                                                       __m512 acc[RT][VECS]) {
+    for (int i = 0; i < RT; i++)
+        for (int v = 0; v < VECS; v++) acc[i][v] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < pairs; kk++) {
+        __m512bh w[VECS];
+        for (int v = 0; v < VECS; v++)
+            w[v] = (__m512bh)_mm512_loadu_si512(panel + kk * PANEL + v * 16);
+        for (int i = 0; i < nr; i++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)x[(r0 + i) * pairs + kk]);
+            for (int v = 0; v < VECS; v++) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], xb, w[v]);
+        }
+    }
+}
+
+static void linear_rows(const uint32_t *x, const uint32_t *panels, const uint16_t *bias,
+                        uint16_t *y, int64_t n_dim, int64_t pairs, int64_t p, int64_t r0,
+                        int nr) {
+    __m512 acc[RT][VECS];
+    const uint32_t *panel = panels + p * pairs * PANEL;
+    switch (nr) { /* a constant row count per tile keeps the accumulators in registers */
+    case 6: tile(x, panel, pairs, r0, 6, acc); break;
+    case 5: tile(x, panel, pairs, r0, 5, acc); break;
+    case 4: tile(x, panel, pairs, r0, 4, acc); break;
+    case 3: tile(x, panel, pairs, r0, 3, acc); break;
+    case 2: tile(x, panel, pairs, r0, 2, acc); break;
+    default: tile(x, panel, pairs, r0, 1, acc);
+    }
+    for (int i = 0; i < nr; i++) {
+        float sums[PANEL];
+        for (int v = 0; v < VECS; v++) _mm512_storeu_ps(sums + v * 16, acc[i][v]);
+        finish(sums, PANEL, bias, p * PANEL, n_dim, y + (r0 + i) * n_dim);
+    }
+}
+
+/* x (R, K) bfloat16; panels from `pack`; bias (N,) or NULL; y (R, N). 0: done; 2: out of
+   memory. An odd K is padded with a zero column (x copied). */
+int linear(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y,
+           int64_t rows, int64_t n_dim, int64_t k_dim) {
+    const int64_t pairs = (k_dim + 1) / 2, count = (n_dim + PANEL - 1) / PANEL;
+    uint16_t *padded = NULL;
+    if (k_dim % 2) {
+        padded = calloc((size_t)(rows * pairs * 2), sizeof *padded);
+        if (!padded) return 2;
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(padded + r * pairs * 2, x + r * k_dim, (size_t)k_dim * sizeof *x);
+        x = padded;
+    }
+    for (int64_t p = 0; p < count; p++)
+        for (int64_t r0 = 0; r0 < rows; r0 += RT)
+            linear_rows((const uint32_t *)x, (const uint32_t *)panels, bias, y, n_dim, pairs, p,
+                        r0, rows - r0 < RT ? (int)(rows - r0) : RT);
+    free(padded);
+    return 0;
+}
+
+#else /* AVX2 and FMA */
+
+#define RT 6 /* rows a tile computes: 6 x 2 accumulators of 16 registers */
+#define CV 2 /* vectors of 8 outputs a tile computes */
+#define VECS (PANEL / 8)
+
+static inline __m256 widen(const uint16_t *at) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)at)), 16));
+}
+
+int64_t panel_elements(int64_t n_dim, int64_t k_dim) {
+    return (n_dim + PANEL - 1) / PANEL * k_dim * PANEL;
+}
+
+/* W (N, K) -> panels (ceil(N / PANEL), K, PANEL), zero past N */
+void pack(const uint16_t *w, uint16_t *panels, int64_t n_dim, int64_t k_dim) {
+    const int64_t count = (n_dim + PANEL - 1) / PANEL;
+    for (int64_t p = 0; p < count; p++)
+        for (int64_t k = 0; k < k_dim; k++)
+            for (int64_t j = 0; j < PANEL; j++) {
+                const int64_t n = p * PANEL + j;
+                panels[(p * k_dim + k) * PANEL + j] = n < n_dim ? w[n * k_dim + k] : 0;
+            }
+}
+
+/* one row (float32) against one panel read as bfloat16: a decode step's memory-bound case */
+static inline void row_panel(const float *x, const uint16_t *panel, int64_t k_dim, float *sums) {
+    __m256 acc[VECS];
+    for (int v = 0; v < VECS; v++) acc[v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < k_dim; k++) {
+        const __m256 xb = _mm256_broadcast_ss(x + k);
+        for (int v = 0; v < VECS; v++)
+            acc[v] = _mm256_fmadd_ps(widen(panel + k * PANEL + v * 8), xb, acc[v]);
+    }
+    for (int v = 0; v < VECS; v++) _mm256_storeu_ps(sums + v * 8, acc[v]);
+}
+
+/* rows r0 .. r0 + nr against outputs c0 * 8 .. (c0 + CV) * 8 of a panel widened in `s` */
+static inline __attribute__((always_inline)) void tile(const float *x, const float *s,
+                                                       int64_t k_dim, int64_t r0, int nr,
+                                                       int c0, float sums[RT][PANEL]) {
+    __m256 acc[RT][CV];
+    for (int i = 0; i < RT; i++)
+        for (int c = 0; c < CV; c++) acc[i][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < k_dim; k++) {
+        __m256 w[CV];
+        for (int c = 0; c < CV; c++) w[c] = _mm256_load_ps(s + k * PANEL + (c0 + c) * 8);
+        for (int i = 0; i < nr; i++) {
+            const __m256 xb = _mm256_broadcast_ss(x + (r0 + i) * k_dim + k);
+            for (int c = 0; c < CV; c++) acc[i][c] = _mm256_fmadd_ps(w[c], xb, acc[i][c]);
+        }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < CV; c++) _mm256_storeu_ps(sums[i] + (c0 + c) * 8, acc[i][c]);
+}
+
+static void tiles(const float *x, const float *s, int64_t k_dim, int64_t r0, int nr,
+                  float sums[RT][PANEL]) {
+    for (int c0 = 0; c0 < VECS; c0 += CV) {
+        switch (nr) { /* a constant row count per tile keeps the accumulators in registers */
+        case 6: tile(x, s, k_dim, r0, 6, c0, sums); break;
+        case 5: tile(x, s, k_dim, r0, 5, c0, sums); break;
+        case 4: tile(x, s, k_dim, r0, 4, c0, sums); break;
+        case 3: tile(x, s, k_dim, r0, 3, c0, sums); break;
+        case 2: tile(x, s, k_dim, r0, 2, c0, sums); break;
+        default: tile(x, s, k_dim, r0, 1, c0, sums);
+        }
+    }
+}
+
+/* x (R, K) bfloat16; panels from `pack`; bias (N,) or NULL; y (R, N). 0: done; 2: out of
+   memory. Up to 2 rows read the panels as they are; more widen each panel once. */
+int linear(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y,
+           int64_t rows, int64_t n_dim, int64_t k_dim) {
+    const int64_t count = (n_dim + PANEL - 1) / PANEL;
+    float *xs = malloc((size_t)(rows * k_dim) * sizeof *xs);
+    float *s = rows > 2 ? aligned_alloc(32, (size_t)(k_dim * PANEL) * sizeof *s) : NULL;
+    if (!xs || (rows > 2 && !s)) {
+        free(xs);
+        free(s);
+        return 2;
+    }
+    for (int64_t i = 0; i < rows * k_dim; i++) xs[i] = bf16_to_float(x[i]);
+    float sums[RT][PANEL];
+    for (int64_t p = 0; p < count; p++) {
+        const uint16_t *panel = panels + p * k_dim * PANEL;
+        if (rows <= 2) {
+            for (int64_t r = 0; r < rows; r++) {
+                row_panel(xs + r * k_dim, panel, k_dim, sums[0]);
+                finish(sums[0], PANEL, bias, p * PANEL, n_dim, y + r * n_dim);
+            }
+            continue;
+        }
+        for (int64_t i = 0; i < k_dim * PANEL; i += 8) _mm256_store_ps(s + i, widen(panel + i));
+        for (int64_t r0 = 0; r0 < rows; r0 += RT) {
+            const int nr = rows - r0 < RT ? (int)(rows - r0) : RT;
+            tiles(xs, s, k_dim, r0, nr, sums);
+            for (int i = 0; i < nr; i++)
+                finish(sums[i], PANEL, bias, p * PANEL, n_dim, y + (r0 + i) * n_dim);
+        }
+    }
+    free(xs);
+    free(s);
+    return 0;
+}
+
+#endif

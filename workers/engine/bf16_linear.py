@@ -1,0 +1,102 @@
+"""bfloat16 linear layers on the CPU as one compiled kernel (bf16_linear.c).
+
+A one-token forward reads every weight once and does little else: it is bound by memory.
+torch's bfloat16 matrix product streams a decode step's weights at about 8 GB/s on the
+2-core AMD EPYC (Zen 4, AVX512_BF16) measured here, where one core reads memory at 22-27;
+on CPUs without bf16 arithmetic it emulates it, and a 17-token tree costs 4-6 times its
+float32 forward (bench/RESULTS.md). Here each weight is packed once into panels of 64
+outputs, which a decode step streams once and larger batches reuse from the cache, tile
+after tile of rows.
+
+Every output is one chain of multiply-adds over the input in order, in float32, whatever
+rows share the call, so a row's result never depends on the rows beside it: the forward
+stays batch-invariant (workers/engine/attention.py), which lossless bfloat16 speculation
+needs. The kernel is built per machine (workers/engine/native.py) for AVX512_BF16 where the
+CPU has it, else for AVX2 with FMA; elsewhere, or where it does not build, the engine keeps
+torch's bfloat16 layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from workers.engine import native
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("bf16_linear.c")
+
+
+class Bf16Kernel:
+    """The loaded kernel: packs weights, multiplies rows by them."""
+
+    def __init__(self, library: ctypes.CDLL):
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
+        self._elements = library.panel_elements
+        self._elements.restype, self._elements.argtypes = size, [size, size]
+        self._pack = library.pack
+        self._pack.restype, self._pack.argtypes = None, [pointer, pointer, size, size]
+        self._linear = library.linear
+        self._linear.restype = ctypes.c_int
+        self._linear.argtypes = [pointer] * 4 + [size] * 3
+
+    @classmethod
+    def load(cls, cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> Bf16Kernel:
+        """Builds (once per machine) and loads the kernel; raises OSError or
+        CalledProcessError where it cannot. `extra_flags` (tests) narrow the target CPU."""
+        return cls(native.load(SOURCE, cache_dir, extra_flags))
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        # weight: (N, K) bfloat16 -> the kernel's panels, flat
+        n, k = weight.shape
+        weight = weight.contiguous()
+        panels = torch.empty(self._elements(n, k), dtype=torch.bfloat16)
+        self._pack(weight.data_ptr(), panels.data_ptr(), n, k)
+        return panels
+
+    def linear(
+        self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
+        # x: (R, K) bfloat16, contiguous; bias: (N,) -> (R, N) bfloat16
+        rows, k = x.shape
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        bias_ptr = None if bias is None else bias.data_ptr()
+        status = self._linear(x.data_ptr(), panels.data_ptr(), bias_ptr, y.data_ptr(), rows, n, k)
+        if status:
+            raise MemoryError("the bfloat16 linear kernel could not allocate its scratch")
+        return y
+
+
+class Bf16Linear(nn.Module):
+    """y = x W^T + b by the kernel, W packed once; inference only (no autograd)."""
+
+    def __init__(self, linear: nn.Linear, kernel: Bf16Kernel):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel = kernel
+        self.panels = kernel.pack(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()  # (out,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (..., in) -> (..., out)
+        rows = x.reshape(-1, self.in_features).contiguous()  # (R, in)
+        y = self.kernel.linear(rows, self.panels, self.bias, self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def bf16_kernel(dtype: torch.dtype, device: torch.device, cache_dir: Path) -> Bf16Kernel | None:
+    """The kernel for bfloat16 layers on the CPU, or None (saying why where it does not build)."""
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        return None
+    try:
+        return Bf16Kernel.load(cache_dir)
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", None) or error
+        log.warning("keeping torch's bfloat16 linear layers: the kernel did not build: %s", detail)
+        return None
