@@ -129,6 +129,7 @@ int linear(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint
 
 #define RT 6 /* rows a tile computes: 6 x 2 accumulators of 16 registers */
 #define CV 2 /* vectors of 8 outputs a tile computes */
+#define WIDE_ROWS 12 /* from this many rows on, a panel is widened to float32 once */
 #define VECS (PANEL / 8)
 
 static inline __m256 widen(const uint16_t *at) {
@@ -163,16 +164,23 @@ static inline void row_panel(const float *x, const uint16_t *panel, int64_t k_di
     for (int v = 0; v < VECS; v++) _mm256_storeu_ps(sums + v * 8, acc[v]);
 }
 
-/* rows r0 .. r0 + nr against outputs c0 * 8 .. (c0 + CV) * 8 of a panel widened in `s` */
-static inline __attribute__((always_inline)) void tile(const float *x, const float *s,
-                                                       int64_t k_dim, int64_t r0, int nr,
-                                                       int c0, float sums[RT][PANEL]) {
+/* 8 weights of a panel from element `at`: bfloat16 widened, or already widened (float32) */
+static inline __attribute__((always_inline)) __m256 weights(const void *panel, int64_t at,
+                                                            int wide) {
+    return wide ? _mm256_load_ps((const float *)panel + at) : widen((const uint16_t *)panel + at);
+}
+
+/* rows r0 .. r0 + nr (float32) against outputs c0 * 8 .. (c0 + CV) * 8 of a panel, each
+   weight vector read once for all the tile's rows */
+static inline __attribute__((always_inline)) void tile(const float *x, const void *panel,
+                                                       int wide, int64_t k_dim, int64_t r0,
+                                                       int nr, int c0, float sums[RT][PANEL]) {
     __m256 acc[RT][CV];
     for (int i = 0; i < RT; i++)
         for (int c = 0; c < CV; c++) acc[i][c] = _mm256_setzero_ps();
     for (int64_t k = 0; k < k_dim; k++) {
         __m256 w[CV];
-        for (int c = 0; c < CV; c++) w[c] = _mm256_load_ps(s + k * PANEL + (c0 + c) * 8);
+        for (int c = 0; c < CV; c++) w[c] = weights(panel, k * PANEL + (c0 + c) * 8, wide);
         for (int i = 0; i < nr; i++) {
             const __m256 xb = _mm256_broadcast_ss(x + (r0 + i) * k_dim + k);
             for (int c = 0; c < CV; c++) acc[i][c] = _mm256_fmadd_ps(w[c], xb, acc[i][c]);
@@ -182,28 +190,37 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
         for (int c = 0; c < CV; c++) _mm256_storeu_ps(sums[i] + (c0 + c) * 8, acc[i][c]);
 }
 
-static void tiles(const float *x, const float *s, int64_t k_dim, int64_t r0, int nr,
-                  float sums[RT][PANEL]) {
+static inline __attribute__((always_inline)) void tiles_of(const float *x, const void *panel,
+                                                           int wide, int64_t k_dim, int64_t r0,
+                                                           int nr, float sums[RT][PANEL]) {
     for (int c0 = 0; c0 < VECS; c0 += CV) {
         switch (nr) { /* a constant row count per tile keeps the accumulators in registers */
-        case 6: tile(x, s, k_dim, r0, 6, c0, sums); break;
-        case 5: tile(x, s, k_dim, r0, 5, c0, sums); break;
-        case 4: tile(x, s, k_dim, r0, 4, c0, sums); break;
-        case 3: tile(x, s, k_dim, r0, 3, c0, sums); break;
-        case 2: tile(x, s, k_dim, r0, 2, c0, sums); break;
-        default: tile(x, s, k_dim, r0, 1, c0, sums);
+        case 6: tile(x, panel, wide, k_dim, r0, 6, c0, sums); break;
+        case 5: tile(x, panel, wide, k_dim, r0, 5, c0, sums); break;
+        case 4: tile(x, panel, wide, k_dim, r0, 4, c0, sums); break;
+        case 3: tile(x, panel, wide, k_dim, r0, 3, c0, sums); break;
+        case 2: tile(x, panel, wide, k_dim, r0, 2, c0, sums); break;
+        default: tile(x, panel, wide, k_dim, r0, 1, c0, sums);
         }
     }
 }
 
+static void tiles(const float *x, const void *panel, int wide, int64_t k_dim, int64_t r0,
+                  int nr, float sums[RT][PANEL]) {
+    if (wide) tiles_of(x, panel, 1, k_dim, r0, nr, sums);
+    else tiles_of(x, panel, 0, k_dim, r0, nr, sums);
+}
+
 /* x (R, K) bfloat16; panels from `pack`; bias (N,) or NULL; y (R, N). 0: done; 2: out of
-   memory. Up to 2 rows read the panels as they are; more widen each panel once. */
+   memory. Up to 2 rows read a panel in one pass, all its outputs at once; more go over it
+   in tiles of rows and 16 outputs, from WIDE_ROWS rows on widened once into float32. */
 int linear(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y,
            int64_t rows, int64_t n_dim, int64_t k_dim) {
     const int64_t count = (n_dim + PANEL - 1) / PANEL;
+    const int wide = rows >= WIDE_ROWS;
     float *xs = malloc((size_t)(rows * k_dim) * sizeof *xs);
-    float *s = rows > 2 ? aligned_alloc(32, (size_t)(k_dim * PANEL) * sizeof *s) : NULL;
-    if (!xs || (rows > 2 && !s)) {
+    float *s = wide ? aligned_alloc(32, (size_t)(k_dim * PANEL) * sizeof *s) : NULL;
+    if (!xs || (wide && !s)) {
         free(xs);
         free(s);
         return 2;
@@ -219,10 +236,11 @@ int linear(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint
             }
             continue;
         }
-        for (int64_t i = 0; i < k_dim * PANEL; i += 8) _mm256_store_ps(s + i, widen(panel + i));
+        if (wide)
+            for (int64_t i = 0; i < k_dim * PANEL; i += 8) _mm256_store_ps(s + i, widen(panel + i));
         for (int64_t r0 = 0; r0 < rows; r0 += RT) {
             const int nr = rows - r0 < RT ? (int)(rows - r0) : RT;
-            tiles(xs, s, k_dim, r0, nr, sums);
+            tiles(xs, wide ? (const void *)s : panel, wide, k_dim, r0, nr, sums);
             for (int i = 0; i < nr; i++)
                 finish(sums[i], PANEL, bias, p * PANEL, n_dim, y + (r0 + i) * n_dim);
         }
