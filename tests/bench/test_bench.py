@@ -79,6 +79,19 @@ def test_rows_describe_their_configuration():
     assert "overlap" in configs["model-tree-overlap"].describe()
     assert configs["hybrid"].describe().startswith("model tree") and configs["hybrid"].hybrid
     assert ServeConfig("x", "ngram", 4, 2, 8, adaptive=True).describe().endswith("adaptive")
+    assert configs["off-bf16"].describe() == "speculation off, bfloat16"
+    assert (
+        configs["ngram-tree-adaptive-bf16"].speculation()
+        == configs["ngram-tree-adaptive"].speculation()
+    )
+
+
+def test_a_bfloat16_row_is_checked_against_bfloat16_texts():
+    run = Run(BenchSettings(), "test machine", "", (0.0, 0.0, 0.0))
+    fp32, bf16 = timed(0.0, [(1.0, 4)]), timed(0.0, [(1.0, 4)])
+    bf16.text = "another greedy text"
+    assert run.check("chat", [fp32]) and run.check("chat", [bf16], "bfloat16")
+    assert not run.check("chat", [bf16])  # against the float32 reference
 
 
 def fake_run() -> Run:
@@ -122,11 +135,7 @@ def test_targets_are_judged_from_the_figures():
 
 def test_rows_take_turns_at_each_point_and_the_median_serve_stands(monkeypatch):
     s = BenchSettings(
-        streams="1,16",
-        sweep_rows="off,ngram-tree-adaptive",
-        sweep_workload="chat",
-        repeats=3,
-        dtype="bfloat16",
+        streams="1,16", sweep_rows="off,ngram-tree-adaptive", sweep_workload="chat", repeats=3
     )
     configs = serve_configs(s)
     rows = [configs["off"], configs["ngram-tree-adaptive"], configs["ngram-chain"]]
@@ -142,8 +151,7 @@ def test_rows_take_turns_at_each_point_and_the_median_serve_stands(monkeypatch):
     class FakeServe:
         url = "http://fake"
 
-        def __init__(self, config, model, draft, sessions, knee, threads, dtype):
-            assert dtype == "bfloat16"  # every serve's workers in the run's dtype
+        def __init__(self, config, model, draft, sessions, knee, threads):
             self.sessions = sessions
 
         def __enter__(self):
@@ -188,12 +196,6 @@ def test_rows_take_turns_at_each_point_and_the_median_serve_stands(monkeypatch):
     assert [round(x, 3) for x in ratios] == [0.909, 1.083, 0.933]
     table = report.markdown(run)
     assert "| ngram-tree-adaptive | 0.20 / 0.67 / 0.88 | 0.91 / 1.08 / 0.93 |" in table
-
-
-def test_transformers_rows_refuse_another_dtype():
-    s = BenchSettings(rows="hf-generate,off", dtype="bfloat16")
-    with pytest.raises(SystemExit, match="hf-generate run in float32"):
-        suite.run_suite(s)
 
 
 def test_streams_send_the_prompts_once_or_at_least_the_minimum():

@@ -216,8 +216,9 @@ def markdown(run: Run) -> str:
         "",
         f"Measured {time.strftime('%Y-%m-%d %H:%M %Z')} on {run.machine}; "
         f"load average at start {run.started_load[0]:.2f} / {run.started_load[1]:.2f} / "
-        f"{run.started_load[2]:.2f} (1/5/15 min). Target {s.target_model}, {s.dtype}, greedy, "
-        f"at most {s.max_tokens} new tokens per request. Model draft: {run.draft or '-'}. "
+        f"{run.started_load[2]:.2f} (1/5/15 min). Target {s.target_model}, float32 unless "
+        f"a row says otherwise, greedy, at most {s.max_tokens} new tokens per request. "
+        f"Model draft: {run.draft or '-'}. "
         f"Workloads: {workloads(s)}. SpecSplit rows: `specsplit serve` per row and point"
         f"{turns(s)}, workers with {s.worker_threads or 'the default number of'} torch "
         f"thread(s), streamed over HTTP with httpx{steady(s)}. The run took "

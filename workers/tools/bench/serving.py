@@ -46,9 +46,13 @@ class ServeConfig:
     hybrid: bool = False  # the model draft's trees merged with the gateway's n-gram draft
     prefix_caching: bool = True  # the workers share KV blocks of common prompt prefixes
     min_match: int = MIN_MATCH  # the n-gram draft's shortest match (--ngram-min-match)
+    dtype: str = "float32"  # the workers' --dtype
 
     def describe(self) -> str:
-        return self.speculation() + ("" if self.prefix_caching else ", no prefix caching")
+        extras = ("" if self.prefix_caching else ", no prefix caching") + (
+            "" if self.dtype == "float32" else f", {self.dtype}"
+        )
+        return self.speculation() + extras
 
     def speculation(self) -> str:
         if self.draft == "none":
@@ -141,7 +145,6 @@ class Serve(ServeProcess):
         max_sessions: int,
         knee_tokens: float,
         worker_threads: int = 0,
-        dtype: str = "float32",
         timeout_s: float = 600.0,
     ):
         self.config = config
@@ -155,7 +158,8 @@ class Serve(ServeProcess):
         args += ["--overlap-draft" if config.overlap else "--no-overlap-draft"]
         args += ["--hybrid-draft" if config.hybrid else "--no-hybrid-draft"]
         args += ["--adaptive-knee-tokens", str(knee_tokens)]
-        args += ["--ngram-min-match", str(config.min_match), "--dtype", dtype]
+        args += ["--ngram-min-match", str(config.min_match)]
+        args += ["--dtype", config.dtype]
         if not config.prefix_caching:
             args += ["--no-worker-prefix-caching"]
         env = dict(os.environ)

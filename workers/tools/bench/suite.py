@@ -17,6 +17,10 @@ Rows (pick with --rows):
   model-tree-overlap    model draft, adaptive tree, overlapped loop
   hybrid                model draft merged with the n-gram draft each round (--hybrid-draft),
                         adaptive, the n-gram rows' depth and budget, the model rows' branching
+  off-bf16, ngram-tree-adaptive-bf16
+                        off and the default with the workers in bfloat16 (--dtype bfloat16);
+                        their texts are checked against the first bfloat16 row's, every
+                        other row's against hf-generate's (or the first float32 row's)
 
 Every SpecSplit row starts a `specsplit serve` of its own for each point it
 measures (a workload at some streams), so that no point finds another's
@@ -49,7 +53,6 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 from pydantic import Field
@@ -114,11 +117,6 @@ class BenchSettings(BaseSettings):
         "default. 1 leaves the second core of a 2-core machine to the gateway and client",
     )
     knee_tokens: float = Field(32.0, ge=0, description="--adaptive-knee-tokens of the serves")
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32",
-        description="--dtype of the serves' workers; with bfloat16 only SpecSplit rows run "
-        "(transformers' rows are float32) and texts are checked against the first row's",
-    )
     repeats: int = Field(
         1,
         ge=1,
@@ -146,6 +144,10 @@ def serve_configs(s: BenchSettings) -> dict[str, ServeConfig]:
         ServeConfig("model-tree-adaptive", "model", md, mk, mb, adaptive=True),
         ServeConfig("model-tree-overlap", "model", md, mk, mb, adaptive=True, overlap=True),
         ServeConfig("hybrid", "model", nd, mk, nb, adaptive=True, hybrid=True),
+        ServeConfig("off-bf16", "none", dtype="bfloat16"),
+        ServeConfig(
+            "ngram-tree-adaptive-bf16", "ngram", nd, 2, nb, adaptive=True, dtype="bfloat16"
+        ),
     ]
     return {c.name: c for c in configs}
 
@@ -174,12 +176,14 @@ class Run:
     draft: str  # the model draft, in words
     started_load: tuple[float, float, float]
     results: list[Result] = field(default_factory=list)
-    references: dict[str, dict[int, str]] = field(default_factory=dict)  # workload -> key -> text
+    # "workload dtype" -> conversation key -> text
+    references: dict[str, dict[int, str]] = field(default_factory=dict)
     seconds: float = 0.0
 
-    def check(self, workload: str, timed: list[Timed]) -> bool:
-        """Texts equal to the reference; the first row to run a conversation sets it."""
-        reference = self.references.setdefault(workload, {})
+    def check(self, workload: str, timed: list[Timed], dtype: str = "float32") -> bool:
+        """Texts equal to the reference of the row's dtype (a bfloat16 target's greedy text is
+        its own); the first row of that dtype to run a conversation sets it."""
+        reference = self.references.setdefault(f"{workload} {dtype}", {})
         same = True
         for t in timed:
             expected = reference.setdefault(t.key, t.text)
@@ -196,9 +200,6 @@ def run_suite(s: BenchSettings) -> Run:
     unknown = [r for r in rows if r not in HF_ROWS and r not in configs]
     if unknown:
         raise SystemExit(f"unknown rows: {', '.join(unknown)}")
-    in_float32 = [r for r in rows if r in HF_ROWS]
-    if in_float32 and s.dtype != "float32":
-        raise SystemExit(f"{', '.join(in_float32)} run in float32: drop them for --dtype {s.dtype}")
     target_dir = resolve_model(s.target_model)
     tokenizer = load_tokenizer(target_dir)
     needs_draft = any(
@@ -295,7 +296,6 @@ def run_serves(run: Run, configs: list[ServeConfig], workloads, draft_dir, token
                     sessions[config.name],
                     s.knee_tokens,
                     s.worker_threads,
-                    s.dtype,
                 ) as serve:
                     greeting = warm_up(workloads[workload])
                     asyncio.run(run_streams(serve.url, [greeting], 1, 1, 8, count_tokens))
@@ -330,7 +330,7 @@ def measure(
         workload,
         n,
         Figures.of(timed, wall),
-        run.check(workload, timed),
+        run.check(workload, timed, config.dtype),
         p50,
         load_average()[0],
     )
