@@ -23,8 +23,12 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+# The workers' dtype: auto is bfloat16 where SpecSplit's bfloat16 kernel builds (2.5x
+# float32's tokens/s at one stream here), else float32; DTYPE=float32 gives transformers'
+# own greedy text (README, "Precision").
+DTYPE ?= auto
 run: $(STAMP)
-	$(BIN)/specsplit serve --host $(HOST) --port $(PORT) $(ARGS)
+	$(BIN)/specsplit serve --host $(HOST) --port $(PORT) --dtype $(DTYPE) $(ARGS)
 
 # One pytest process per core (pytest-xdist), each with one torch thread: the
 # tests' models are tiny, and two processes of two threads on two cores fight.

@@ -36,8 +36,11 @@ class EngineOptions(BaseSettings):
     """How a command that loads a model runs it."""
 
     device: str = Field("cpu", description="torch device")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="float32, bfloat16 or float16"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32",
+        description="float32, bfloat16 or float16; auto: bfloat16 on a GPU that has it and on "
+        "a CPU where SpecSplit's bfloat16 kernel builds (x86 with AVX2 and FMA, a C compiler), "
+        "else float32 (`make run` passes auto)",
     )
     attention: Attention = Field(
         "auto",

@@ -19,7 +19,7 @@ from torch import nn
 from tests.engine.tiny import tiny_hf_model
 from workers.engine.batch import SlotInput
 from workers.engine.bf16_linear import Bf16Kernel, Bf16Linear, bf16_kernel
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.engine import Engine, EngineConfig, resolve_dtype
 
 BUILDS = {"native": (), "avx2": ("-mno-avx512bf16",)}
 
@@ -114,3 +114,14 @@ def test_without_a_working_compiler_the_engine_keeps_torch_layers(tmp_path, monk
     assert "kernel did not build" in caplog.text
     logits = engine.forward([SlotInput(0, 0, [-1, 0], [3, 4], logits_for=2)])[0]
     assert logits.shape == (2, 96)
+
+
+def test_auto_dtype_is_bfloat16_on_a_cpu_where_the_kernel_builds_else_float32(
+    tmp_path, monkeypatch
+):
+    builds = bf16_kernel(torch.bfloat16, torch.device("cpu"), tmp_path) is not None
+    assert resolve_dtype("auto", "cpu", tmp_path) == ("bfloat16" if builds else "float32")
+    assert resolve_dtype("float32", "cpu", tmp_path) == "float32"  # a named dtype stays
+    assert resolve_dtype("bfloat16", "cpu", tmp_path) == "bfloat16"
+    monkeypatch.setenv("CC", "false")  # no compiler: torch's bfloat16 would be emulated
+    assert resolve_dtype("auto", "cpu", tmp_path / "other") == "float32"

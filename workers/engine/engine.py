@@ -9,12 +9,14 @@ same call. A runner reserves each row's KV blocks first
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from workers.engine.batch import SlotInput, build_batch
+from workers.engine.bf16_linear import bf16_kernel
 from workers.engine.eagle import EagleHead, draft_kind, load_fuse
 from workers.engine.kv_cache import PagedKVCache
 from workers.engine.llama import LlamaShape, NativeLlama
@@ -25,6 +27,28 @@ from workers.settings import EMBEDDED_MODEL, Attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+log = logging.getLogger(__name__)
+
+
+def resolve_dtype(name: str, device: str, cache_dir: Path | None) -> str:
+    """A dtype of DTYPES for `name`, which may be "auto": bfloat16 on a GPU that has it, and
+    on a CPU where the compiled bfloat16 kernel builds (workers/engine/bf16_linear.py; 2.5x
+    float32's tokens/s at one stream on the machine of bench/RESULTS.md); else float32."""
+    if name != "auto":
+        return name
+    where = torch.device(device)
+    if where.type == "cuda":
+        chosen = "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    elif where.type == "cpu":
+        from workers.engine.loader import default_cache_dir
+
+        kernel = bf16_kernel(torch.bfloat16, where, cache_dir or default_cache_dir())
+        chosen = "float32" if kernel is None else "bfloat16"
+    else:
+        chosen = "float32"
+    log.info("dtype auto: %s on %s", chosen, where.type)
+    return chosen
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -32,7 +56,7 @@ class EngineConfig:
 
     model: str = EMBEDDED_MODEL  # alias, local directory, .gguf file or HF id
     device: str = "cpu"  # torch device; "cuda" where a GPU build of torch is installed
-    dtype: str = "float32"  # one of DTYPES
+    dtype: str = "float32"  # one of DTYPES, or "auto" (resolve_dtype)
     max_sessions: int = 8  # sessions held at once (each a block table, no memory of its own)
     max_seq_len: int = 2048  # context per session (capped at the model's context)
     max_tree_nodes: int = 64  # most speculative tokens past the context, cached while verified
@@ -76,7 +100,7 @@ class Engine:
         from workers.engine.loader import load_tokenizer, resolve_model
 
         path = resolve_model(config.model, config.cache_dir)
-        dtype = DTYPES[config.dtype]
+        dtype = DTYPES[resolve_dtype(config.dtype, config.device, config.cache_dir)]
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(config.device).eval()
         head = None
         if draft_kind(path) == "eagle":
