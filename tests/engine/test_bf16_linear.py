@@ -73,6 +73,12 @@ def test_a_row_is_the_same_bits_whatever_rows_share_the_call(kernel, n, k):
         assert torch.equal(kernel.linear(x[:rows], panels, b, n)[:20], alone[:rows])
 
 
+def test_rows_of_another_dtype_are_refused(kernel):
+    w, _ = weights(64, 32, bias=False)
+    with pytest.raises(TypeError, match="takes bfloat16 rows"):
+        kernel.linear(torch.randn(2, 32), kernel.pack(w), None, 64)
+
+
 def test_the_layer_keeps_leading_dimensions(kernel):
     linear = nn.Linear(48, 80, bias=True).to(torch.bfloat16)
     layer = Bf16Linear(linear, kernel)

@@ -64,6 +64,8 @@ class Bf16Kernel:
         self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int
     ) -> torch.Tensor:
         # x: (R, K) bfloat16, contiguous; bias: (N,) -> (R, N) bfloat16
+        if x.dtype != torch.bfloat16:  # the kernel reads the bytes as bfloat16
+            raise TypeError(f"the bfloat16 linear kernel takes bfloat16 rows, not {x.dtype}")
         rows, k = x.shape
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         bias_ptr = None if bias is None else bias.data_ptr()
