@@ -46,9 +46,9 @@ LABEL org.opencontainers.image.title="SpecSplit" \
       org.opencontainers.image.description="OpenAI-compatible gateway for lossless tree speculative decoding" \
       org.opencontainers.image.licenses="Apache-2.0"
 
-# gcc: a CPU worker builds its attention kernel (workers/engine/paged_attention.c) for the
-# node's own CPU at first start, into /models/kernels; without it the worker says so and
-# uses the slower torch-ops attention. Unpinned: bookworm's security updates replace exact
+# gcc: a CPU worker builds its kernels (workers/engine/paged_attention.c, bf16_linear.c) for
+# the node's own CPU at first start, into /models/kernels; without it the worker says so and
+# uses the slower torch-ops attention and, with SPECSPLIT_DTYPE=auto, float32. Unpinned: bookworm's security updates replace exact
 # versions of libc6-dev, and any gcc builds it.
 # hadolint ignore=DL3008
 RUN apt-get update \

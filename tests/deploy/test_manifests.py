@@ -353,6 +353,8 @@ def test_cpu_overlay_runs_the_embedded_model():
         "smollm2-135m-instruct"
     )
     assert environment(docs, container(docs, "draft"))["SPECSPLIT_MODEL"] in {"ngram", "none"}
+    for role in ROLES:  # as `make run`: bfloat16 where the kernel builds, else float32
+        assert environment(docs, container(docs, role))["SPECSPLIT_DTYPE"] == "auto"
     for role in ("gateway", *ROLES):
         c = container(docs, role)
         assert environment(docs, c).get("SPECSPLIT_DEVICE", "cpu") == "cpu"
