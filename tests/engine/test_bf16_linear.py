@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from tests.engine.tiny import tiny_hf_model
+from workers.engine import native
 from workers.engine.batch import SlotInput
 from workers.engine.bf16_linear import Bf16Kernel, Bf16Linear, bf16_kernel
 from workers.engine.engine import Engine, EngineConfig, resolve_dtype
@@ -24,16 +24,9 @@ from workers.engine.engine import Engine, EngineConfig, resolve_dtype
 BUILDS = {"native": (), "avx2": ("-mno-avx512bf16",)}
 
 
-def cpu_has(flag: str) -> bool:
-    try:
-        return flag in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module", params=list(BUILDS))
 def kernel(request, tmp_path_factory) -> Bf16Kernel:
-    if request.param == "avx2" and not cpu_has("avx512_bf16"):
+    if request.param == "avx2" and "avx512_bf16" not in native.cpu_identity().split():
         pytest.skip("the native build is the AVX2 one on this CPU")
     try:
         return Bf16Kernel.load(tmp_path_factory.mktemp("kernels"), BUILDS[request.param])

@@ -30,19 +30,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 log = logging.getLogger(__name__)
 
 
-def resolve_dtype(name: str, device: str, cache_dir: Path | None) -> str:
+def resolve_dtype(name: str, device: str, kernels: Path) -> str:
     """A dtype of DTYPES for `name`, which may be "auto": bfloat16 on a GPU that has it, and
     on a CPU where the compiled bfloat16 kernel builds (workers/engine/bf16_linear.py; 2.5x
-    float32's tokens/s at one stream on the machine of bench/RESULTS.md); else float32."""
+    float32's tokens/s at one stream on the machine of bench/RESULTS.md); else float32.
+    `kernels`: where compiled kernels are cached."""
     if name != "auto":
         return name
     where = torch.device(device)
     if where.type == "cuda":
         chosen = "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
     elif where.type == "cpu":
-        from workers.engine.loader import default_cache_dir
-
-        kernel = bf16_kernel(torch.bfloat16, where, cache_dir or default_cache_dir())
+        kernel = bf16_kernel(torch.bfloat16, where, kernels)
         chosen = "float32" if kernel is None else "bfloat16"
     else:
         chosen = "float32"
@@ -97,10 +96,11 @@ class Engine:
     def load(cls, config: EngineConfig) -> Engine:
         from transformers import AutoModelForCausalLM
 
-        from workers.engine.loader import load_tokenizer, resolve_model
+        from workers.engine.loader import default_cache_dir, load_tokenizer, resolve_model
 
         path = resolve_model(config.model, config.cache_dir)
-        dtype = DTYPES[resolve_dtype(config.dtype, config.device, config.cache_dir)]
+        kernels = config.cache_dir or default_cache_dir()  # where compiled kernels are cached
+        dtype = DTYPES[resolve_dtype(config.dtype, config.device, kernels)]
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(config.device).eval()
         head = None
         if draft_kind(path) == "eagle":
