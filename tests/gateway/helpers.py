@@ -21,6 +21,7 @@ from workers.draft.features import model_drafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
 from workers.loop.inprocess import InProcessDraft, InProcessFactory, InProcessTarget
+from workers.protocol import TreeSpec
 from workers.target.runner import TargetRunner
 
 SPECIALS = ["<unk>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -113,6 +114,23 @@ class StallingDraft(InProcessDraft):
 def stalling_draft(path: Path, address: str, slots: int = 4) -> StallingDraft:
     engine = load_engine(path, slots)
     return StallingDraft(address, model_drafter(engine, SessionTable(slots)))
+
+
+class RecordingDraft(InProcessDraft):
+    """A model draft that keeps the tree shape of every propose the gateway sent it."""
+
+    def __init__(self, address: str, drafter):
+        super().__init__(address, drafter)
+        self.specs: list[TreeSpec] = []
+
+    async def propose(self, call):
+        self.specs.append(call.spec)
+        return await super().propose(call)
+
+
+def recording_draft(path: Path, address: str = "d0", slots: int = 4) -> RecordingDraft:
+    engine = load_engine(path, slots)
+    return RecordingDraft(address, model_drafter(engine, SessionTable(slots)))
 
 
 def settings(model_dir: Path, targets: list[str], drafts: list[str] = (), **kw) -> GatewaySettings:

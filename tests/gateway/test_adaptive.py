@@ -23,7 +23,14 @@ from gateway.adaptive import (
     expected_tokens,
     weigh_shapes,
 )
-from tests.gateway.helpers import MODEL, live, model_draft, slow_target, target
+from tests.gateway.helpers import (
+    MODEL,
+    live,
+    model_draft,
+    recording_draft,
+    slow_target,
+    target,
+)
 from workers.protocol import TreeSpec
 
 CONFIG = AdaptiveConfig(knee_tokens=20.0, ewma=0.3, prior_rate=0.8, probe_every=4)
@@ -292,10 +299,12 @@ def test_a_session_follows_every_sessions_estimate_until_it_has_drafted():
     assert speculation.rates.chain.rate == own != recent.chain.rate
 
 
-def drafted_per_round(tiny_dir, tiny_draft_dir, delay: float, token_delay: float) -> float:
-    """Tree nodes per verify round of one greedy reply through a target with that delay."""
+def drafted_per_round(tiny_dir, tiny_draft_dir, delay: float, token_delay: float):
+    """Tree nodes per verify round of one greedy reply through a target with that delay, the
+    shapes the gateway asked the draft for, and the reply's text."""
     slow = slow_target(tiny_dir, "t0", delay, token_delay=token_delay)
-    with live(tiny_dir, [slow, model_draft(tiny_draft_dir)], tree_depth=6) as gateway:
+    draft = recording_draft(tiny_draft_dir)
+    with live(tiny_dir, [slow, draft], tree_depth=6) as gateway:
         client = OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
         reply = client.completions.create(
             model=MODEL,
@@ -305,7 +314,7 @@ def drafted_per_round(tiny_dir, tiny_draft_dir, delay: float, token_delay: float
             extra_body={"speculation_stats": True},
         )
     stats = reply.model_extra["speculation_stats"]
-    return stats["draft_tokens"] / stats["verify_steps"], reply.choices[0].text
+    return stats["draft_tokens"] / stats["verify_steps"], draft.specs, reply.choices[0].text
 
 
 def test_the_measured_cost_shrinks_trees_on_a_slow_target_and_grows_them_on_a_fast_one(
@@ -313,10 +322,15 @@ def test_the_measured_cost_shrinks_trees_on_a_slow_target_and_grows_them_on_a_fa
 ):
     # every token fed costs 20 ms (a compute-bound target): once measured, a tree does not
     # pay; only the first rounds (before the fit has seen rounds of two sizes) and probes draft
-    dear, dear_text = drafted_per_round(tiny_dir, tiny_draft_dir, 0.0, 0.020)
-    # 200 ms per round whatever it feeds (a slow network, a GPU): the full 16-node tree pays.
-    # The model draft's own seconds per level count too (a loaded machine makes them tens of
-    # ms), so the round's fixed cost must dwarf them for the full depth to pay.
-    cheap, cheap_text = drafted_per_round(tiny_dir, tiny_draft_dir, 0.200, 0.0)
+    dear, _, dear_text = drafted_per_round(tiny_dir, tiny_draft_dir, 0.0, 0.020)
+    # 500 ms per round whatever it feeds (a slow network, a GPU): the full depth pays, unless
+    # the draft's own seconds per level (5 ms here under a full test run) came near 40 ms.
+    # Whether a round drafts it as the 16-node tree or as its 6-node spine rests on how much
+    # more the side branches accept than a chain: for these tiny random models about 1% of a
+    # round, less than the per-token cost the fit reads off a loaded machine's noise, so
+    # either may come (the breadth choice has its own tests above)
+    _, cheap_specs, cheap_text = drafted_per_round(tiny_dir, tiny_draft_dir, 0.500, 0.0)
     assert dear_text == cheap_text
-    assert dear < 2.0 and cheap > 12.0
+    assert dear < 2.0
+    # the first six draft calls come before 36 of the 48 tokens are out: none is cut short
+    assert [spec.depth for spec in cheap_specs[:6]] == [6] * 6
