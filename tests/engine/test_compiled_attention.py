@@ -5,14 +5,22 @@ That both give bit-identical logits however a token is batched, and both match
 transformers, is tested in test_batch_invariance.py and test_native_parity.py."""
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.engine.tiny import tiny_hf_model
-from workers.engine.batch import SlotInput
+from workers.engine import native
+from workers.engine.batch import SlotInput, VisibleKeys
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.paged_attention import CompiledAttention, build, compiled_attention
+from workers.engine.llama import rotate_half
+from workers.engine.paged_attention import (
+    SOURCE,
+    CompiledAttention,
+    build,
+    compiled_attention,
+)
 
 CPU = torch.device("cpu")
 
@@ -25,6 +33,17 @@ def test_auto_compiles_once_and_caches_the_library(tmp_path):
     stamp = built.stat().st_mtime_ns
     assert compiled_attention("compiled", CPU, torch.bfloat16, 64, tmp_path) is not None
     assert built.stat().st_mtime_ns == stamp  # loaded from the cache, not built again
+
+
+def test_a_changed_header_builds_the_library_anew(tmp_path):
+    sources = tmp_path / "src"
+    sources.mkdir()
+    for name in ("paged_attention.c", "bf16.h"):
+        (sources / name).write_bytes((SOURCE.parent / name).read_bytes())
+    first = native.build(sources / "paged_attention.c", tmp_path)
+    with (sources / "bf16.h").open("a") as header:
+        header.write("/* changed */\n")
+    assert native.build(sources / "paged_attention.c", tmp_path) != first
 
 
 @pytest.mark.parametrize(
@@ -66,3 +85,39 @@ def test_without_a_working_compiler_auto_serves_with_the_chunked_attention(
 def test_an_unknown_choice_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not one of auto, compiled, chunked"):
         compiled_attention("fast", CPU, torch.float32, 64, tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_rotates_writes_and_attends_as_the_torch_ops_do(tmp_path, dtype):
+    heads, kv_heads, dim, pool = 4, 2, 16, 12
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    angles = torch.rand(3, 1, dim, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)  # (N, 1, D)
+    k_pool, v_pool = torch.randn(2, kv_heads, pool, dim, generator=gen).to(dtype)
+    # three new tokens, written at pool positions 5, 9 and 2: a chain of two after the
+    # prefix at 0, 1, 3, and a sibling of the first
+    written = torch.tensor([5, 9, 2])
+    seen = [[0, 1, 3, 5], [0, 1, 3, 5, 9], [0, 1, 3, 2]]
+    keys = VisibleKeys(torch.tensor(sum(seen, [])), torch.tensor([0, 4, 9, 13]))
+    batch = SimpleNamespace(token_positions=written, visible=keys)
+    expected_k, expected_v = k_pool.clone(), v_pool.clone()
+
+    kernel = compiled_attention("compiled", CPU, dtype, dim, tmp_path)
+    out = kernel(qkv, cos, sin, k_pool, v_pool, batch, heads)  # (N, H D)
+
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(3, heads, dim), k.view(3, kv_heads, dim), v.view(3, kv_heads, dim)
+    expected_k[:, written] = (k * cos + rotate_half(k) * sin).transpose(0, 1)
+    expected_v[:, written] = v.transpose(0, 1)
+    assert torch.equal(k_pool, expected_k) and torch.equal(v_pool, expected_v)  # bit for bit
+    rotated = (q * cos + rotate_half(q) * sin).double()  # (N, H, D)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output's rounding
+    for n, visible in enumerate(seen):
+        for h in range(heads):
+            own_k, own_v = (
+                cache[h // (heads // kv_heads), visible].double() for cache in (k_pool, v_pool)
+            )
+            weights = torch.softmax(own_k @ rotated[n, h] * dim**-0.5, dim=0)  # (keys,)
+            got = out[n].view(heads, dim)[h].double()
+            torch.testing.assert_close(got, weights @ own_v, atol=tolerance, rtol=tolerance)

@@ -18,25 +18,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if !defined(__AVX512BF16__) && !(defined(__AVX2__) && defined(__FMA__))
 #error "the bfloat16 linear kernel needs AVX512_BF16, or AVX2 and FMA"
 #endif
 
 #define PANEL 64 /* outputs a packed panel holds */
-
-static inline float bf16_to_float(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float x;
-    memcpy(&x, &bits, sizeof x);
-    return x;
-}
-
-static inline uint16_t float_to_bf16(float x) { /* nearest, ties to even */
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 /* y[n0 + i] = bf16(acc[i] + b[n0 + i]) for the outputs below n_dim */
 static inline void finish(const float *acc, int count, const uint16_t *bias, int64_t n0,

@@ -166,12 +166,14 @@ class Block(nn.Module):
         # x: (N, E) -> (N, E); cos, sin: (N, 1, D)
         s = self.shape
         n = x.shape[0]
+        if self.compiled is not None:  # rotary, the cache write and attention in one call
+            k_pool, v_pool = cache.k[self.index], cache.v[self.index]
+            out = self.compiled(self.qkv_proj(x), cos, sin, k_pool, v_pool, batch, s.num_heads)
+            return self.o_proj(out)
         q, k, v = self.project_qkv(x)  # (N, H, D), (N, Hkv, D), (N, Hkv, D)
         q = q * cos + rotate_half(q) * sin
         cache.write(self.index, batch, k * cos + rotate_half(k) * sin, v)
-        if self.compiled is not None:  # each token reads its own listed keys from the pool
-            out = self.compiled(q, cache.k[self.index], cache.v[self.index], batch.visible)
-        elif len(batch.groups) == 1:  # every row feeds as many tokens: attend to all at once
+        if len(batch.groups) == 1:  # every row feeds as many tokens: attend to all at once
             out = self.attend(q, cache, batch.groups[0])  # (N, H, D)
         else:
             out = torch.empty_like(q)  # (N, H, D)

@@ -2,8 +2,8 @@
 
 A kernel's library is built by the system's C compiler (`$CC`, else `cc`; `-O3
 -march=native` and any extra flags) and cached under the model cache, named by the hash of
-its source, compiler, flags and CPU, so a changed source or another CPU builds anew and
-processes building at once each install a whole file.
+its source and the headers beside it, compiler, flags and CPU, so a changed source or
+header or another CPU builds anew and processes building at once each install a whole file.
 """
 
 from __future__ import annotations
@@ -31,8 +31,11 @@ def cpu_identity() -> str:
 
 def library_path(source: Path, cache_dir: Path, compiler: str, flags: tuple[str, ...]) -> Path:
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), compiler.encode(), " ".join(flags).encode()):
-        digest.update(part)
+    headers = sorted(source.parent.glob("*.h"))  # what the source may include
+    for part in (source, *headers):
+        digest.update(part.read_bytes())
+    for part in (compiler, " ".join(flags)):
+        digest.update(part.encode())
     digest.update(cpu_identity().encode())
     return cache_dir / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 

@@ -6,6 +6,11 @@
    the dot product over the head size, the softmax total and the weighted values
    over the keys in list order.
 
+   Before attending, the same call applies the rotary position embedding to the new
+   tokens' queries and keys and writes their keys and values into the pool, each
+   element as torch computes x * cos + rotate_half(x) * sin in the cache's dtype: both
+   products and the sum rounded to it (bfloat16: to nearest, ties to even).
+
    Shapes: N tokens, H query heads, Hkv key/value heads (rep = H / Hkv query heads
    each), P pool positions, D head size (a multiple of 8, at most MAX_DIM), M
    listed keys in all. */
@@ -13,6 +18,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 
 #define LANES 8
 #define MAX_DIM 512
@@ -104,22 +111,13 @@ static inline __attribute__((always_inline)) void attend_head(
 }
 
 /* q, out: (N, H, D) float32; k_pool, v_pool: (Hkv, P, D); token n reads the keys at
-   pool positions keys[starts[n]] .. keys[starts[n + 1] - 1]. 0: done; 1: bad arguments;
-   2: out of memory. One thread: beside torch's OpenMP threads, which spin between
-   parallel regions, a second one made prefills and trees slower, not faster. */
-static inline __attribute__((always_inline)) int attend(
+   pool positions keys[starts[n]] .. keys[starts[n + 1] - 1]. One thread: beside torch's
+   OpenMP threads, which spin between parallel regions, a second one made prefills and
+   trees slower, not faster. */
+static inline __attribute__((always_inline)) void attend(
     const float *q, const void *k_pool, const void *v_pool, const int64_t *keys,
     const int64_t *starts, float *out, int64_t n_tokens, int64_t heads, int64_t kv_heads,
-    int64_t pool, int64_t dim, float scale, int bf16) {
-    if (dim % LANES || dim > MAX_DIM || heads % kv_heads) return 1;
-    int64_t most = 0;
-    for (int64_t n = 0; n < n_tokens; n++) {
-        const int64_t count = starts[n + 1] - starts[n];
-        if (count < 1) return 1; /* every token sees itself */
-        most = count > most ? count : most;
-    }
-    float *p = aligned_alloc(32, (size_t)(most / LANES + 1) * LANES * sizeof(float));
-    if (!p) return 2;
+    int64_t pool, int64_t dim, float scale, float *p, int bf16) {
     const size_t head_bytes = (size_t)(pool * dim) * (bf16 ? 2 : 4);
     const int64_t rep = heads / kv_heads;
     for (int64_t n = 0; n < n_tokens; n++) {
@@ -131,20 +129,99 @@ static inline __attribute__((always_inline)) int attend(
                         bf16);
         }
     }
-    free(p);
+}
+
+/* x rounded to the cache's dtype. A float32 result goes through memory, so that the
+   compiler cannot fuse a product with the sum after it (torch rounds each op). */
+static inline float rounded(float x, int bf16) {
+    if (bf16) return bf16_to_float(float_to_bf16(x));
+    volatile float kept = x;
+    return kept;
+}
+
+static inline float element(const void *at, int64_t i, int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)at)[i]) : ((const float *)at)[i];
+}
+
+static inline void store(void *at, int64_t i, float x, int bf16) {
+    if (bf16)
+        ((uint16_t *)at)[i] = float_to_bf16(x); /* exact: x is a bfloat16 value */
+    else
+        ((float *)at)[i] = x;
+}
+
+/* y = x * cos + rotate_half(x) * sin for one head of D, rotate_half(x) = (-x2, x1) */
+static void rope(const void *x, const void *cos, const void *sin, int64_t dim, int bf16,
+                 float *y) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < dim; i++) {
+        const float xi = element(x, i, bf16);
+        const float turned = i < half ? -element(x, i + half, bf16) : element(x, i - half, bf16);
+        const float a = rounded(xi * element(cos, i, bf16), bf16);
+        const float b = rounded(turned * element(sin, i, bf16), bf16);
+        y[i] = rounded(a + b, bf16);
+    }
+}
+
+/* qkv: (N, (H + 2 Hkv) D), each token's projected queries, keys and values side by side;
+   cos, sin: (N, D); positions: (N,) the pool position each token's key and value go to;
+   out: (N, H, D), all in the cache's dtype. 0: done; 1: bad arguments; 2: out of memory. */
+static inline __attribute__((always_inline)) int rope_attend(
+    const void *qkv, const void *cos, const void *sin, void *k_pool, void *v_pool,
+    const int64_t *positions, const int64_t *keys, const int64_t *starts, void *out,
+    int64_t n_tokens, int64_t heads, int64_t kv_heads, int64_t pool, int64_t dim, float scale,
+    int bf16) {
+    if (dim % LANES || dim > MAX_DIM || heads % kv_heads) return 1;
+    int64_t most = 0;
+    for (int64_t n = 0; n < n_tokens; n++) {
+        const int64_t count = starts[n + 1] - starts[n];
+        if (count < 1 || positions[n] < 0 || positions[n] >= pool) return 1;
+        most = count > most ? count : most; /* every token sees at least itself */
+    }
+    const size_t values = (size_t)(n_tokens * heads * dim); /* a multiple of LANES */
+    float *q = aligned_alloc(32, values * sizeof(float));
+    float *o = aligned_alloc(32, values * sizeof(float));
+    float *p = aligned_alloc(32, (size_t)(most / LANES + 1) * LANES * sizeof(float));
+    if (!q || !o || !p) {
+        free(q), free(o), free(p);
+        return 2;
+    }
+    const int64_t width = (heads + 2 * kv_heads) * dim, size = bf16 ? 2 : 4;
+    float key[MAX_DIM];
+    for (int64_t n = 0; n < n_tokens; n++) { /* every key is written before any token reads */
+        const char *row = (const char *)qkv + n * width * size;
+        const char *c = (const char *)cos + n * dim * size, *s = (const char *)sin + n * dim * size;
+        for (int64_t h = 0; h < heads; h++)
+            rope(row + h * dim * size, c, s, dim, bf16, q + (n * heads + h) * dim);
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t at = (h * pool + positions[n]) * dim;
+            rope(row + (heads + h) * dim * size, c, s, dim, bf16, key);
+            const void *value = row + (heads + kv_heads + h) * dim * size;
+            for (int64_t i = 0; i < dim; i++) {
+                store(k_pool, at + i, key[i], bf16);
+                store(v_pool, at + i, element(value, i, bf16), bf16);
+            }
+        }
+    }
+    attend(q, k_pool, v_pool, keys, starts, o, n_tokens, heads, kv_heads, pool, dim, scale, p,
+           bf16);
+    for (size_t i = 0; i < values; i++) store(out, (int64_t)i, o[i], bf16);
+    free(q), free(o), free(p);
     return 0;
 }
 
-int attend_f32(const float *q, const float *k_pool, const float *v_pool, const int64_t *keys,
-               const int64_t *starts, float *out, int64_t n_tokens, int64_t heads,
-               int64_t kv_heads, int64_t pool, int64_t dim, float scale) {
-    return attend(q, k_pool, v_pool, keys, starts, out, n_tokens, heads, kv_heads, pool, dim,
-                  scale, 0);
+int rope_attend_f32(const float *qkv, const float *cos, const float *sin, float *k_pool,
+                    float *v_pool, const int64_t *positions, const int64_t *keys,
+                    const int64_t *starts, float *out, int64_t n_tokens, int64_t heads,
+                    int64_t kv_heads, int64_t pool, int64_t dim, float scale) {
+    return rope_attend(qkv, cos, sin, k_pool, v_pool, positions, keys, starts, out, n_tokens,
+                       heads, kv_heads, pool, dim, scale, 0);
 }
 
-int attend_bf16(const float *q, const uint16_t *k_pool, const uint16_t *v_pool,
-                const int64_t *keys, const int64_t *starts, float *out, int64_t n_tokens,
-                int64_t heads, int64_t kv_heads, int64_t pool, int64_t dim, float scale) {
-    return attend(q, k_pool, v_pool, keys, starts, out, n_tokens, heads, kv_heads, pool, dim,
-                  scale, 1);
+int rope_attend_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin,
+                     uint16_t *k_pool, uint16_t *v_pool, const int64_t *positions,
+                     const int64_t *keys, const int64_t *starts, uint16_t *out, int64_t n_tokens,
+                     int64_t heads, int64_t kv_heads, int64_t pool, int64_t dim, float scale) {
+    return rope_attend(qkv, cos, sin, k_pool, v_pool, positions, keys, starts, out, n_tokens,
+                       heads, kv_heads, pool, dim, scale, 1);
 }

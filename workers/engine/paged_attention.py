@@ -11,7 +11,11 @@ forward by workers/engine/batch.py), and nothing else, so its output depends
 on that list alone, never on the batch: the property attention.py has, by
 construction instead of by padding. Every sum runs in one fixed order (dot
 products over 8 lanes, then keys in list order), in float32 whatever the
-cache's dtype (float32 or bfloat16).
+cache's dtype (float32 or bfloat16). The same call first applies the rotary
+position embedding to the new queries and keys and writes the keys and values
+into the pool, rounding as torch's ops do in that dtype: some twenty small ops
+a layer that, in a one-token bfloat16 forward, cost about as much as the
+layer's attention.
 
 The library is built once per machine and cached (workers/engine/native.py).
 Where no compiler builds it, or the engine runs off the CPU or in float16, the
@@ -32,7 +36,7 @@ from typing import get_args
 import torch
 
 from workers.engine import native
-from workers.engine.batch import VisibleKeys
+from workers.engine.batch import ForwardBatch
 from workers.settings import Attention
 
 log = logging.getLogger(__name__)
@@ -40,7 +44,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_attention.c")
 LANES = 8  # the kernel's vector width: the head size must be a multiple of it
 MAX_DIM = 512  # the kernel's largest head size
-ENTRY = {torch.float32: "attend_f32", torch.bfloat16: "attend_bf16"}
+ENTRY = {torch.float32: "rope_attend_f32", torch.bfloat16: "rope_attend_bf16"}
 ATTENTION = get_args(Attention)  # EngineConfig.attention
 
 
@@ -67,7 +71,7 @@ class CompiledAttention:
         self.function = getattr(library, ENTRY[dtype])
         self.function.restype = ctypes.c_int
         pointer, size = ctypes.c_void_p, ctypes.c_int64
-        self.function.argtypes = [pointer] * 6 + [size] * 5 + [ctypes.c_float]
+        self.function.argtypes = [pointer] * 9 + [size] * 5 + [ctypes.c_float]
 
     @classmethod
     def load(cls, cache_dir: Path, dtype: torch.dtype) -> CompiledAttention:
@@ -76,21 +80,31 @@ class CompiledAttention:
         return cls(native.load(SOURCE, cache_dir), dtype)
 
     def __call__(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, keys: VisibleKeys
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        batch: ForwardBatch,
+        heads: int,
     ) -> torch.Tensor:
-        # q: (N, H, D); k_pool, v_pool: (Hkv, P, D) one layer's pool, contiguous -> (N, H, D)
-        n, heads, dim = q.shape
-        kv_heads, pool, _ = k_pool.shape
-        q32 = q.float().contiguous()  # (N, H, D)
-        out = torch.empty_like(q32)  # (N, H, D)
+        # qkv: (N, (H + 2 Hkv) D) the new tokens' projections; cos, sin: (N, 1, D);
+        # k_pool, v_pool: (Hkv, P, D) one layer's pool, contiguous; all in the cache's dtype
+        # -> (N, H D): writes the rotated keys and the values at batch.token_positions,
+        # then attends
+        kv_heads, pool, dim = k_pool.shape
+        n = qkv.shape[0]
+        qkv, keys = qkv.contiguous(), batch.visible
+        out = qkv.new_empty(n, heads * dim)  # (N, H D)
         status = self.function(
-            q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
-            keys.positions.data_ptr(), keys.starts.data_ptr(), out.data_ptr(),
-            n, heads, kv_heads, pool, dim, dim**-0.5,
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_pool.data_ptr(),
+            v_pool.data_ptr(), batch.token_positions.data_ptr(), keys.positions.data_ptr(),
+            keys.starts.data_ptr(), out.data_ptr(), n, heads, kv_heads, pool, dim, dim**-0.5,
         )  # fmt: skip
         if status:
             raise RuntimeError(f"the compiled attention refused its arguments (status {status})")
-        return out.to(q.dtype)
+        return out
 
 
 def compiled_attention(
