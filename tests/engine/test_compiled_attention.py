@@ -14,7 +14,7 @@ from tests.engine.tiny import tiny_hf_model
 from workers.engine import native
 from workers.engine.batch import SlotInput, VisibleKeys
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.llama import rotate_half
+from workers.engine.llama import rms_norm, rotate_half
 from workers.engine.paged_attention import (
     SOURCE,
     CompiledAttention,
@@ -121,3 +121,20 @@ def test_one_call_rotates_writes_and_attends_as_the_torch_ops_do(tmp_path, dtype
             weights = torch.softmax(own_k @ rotated[n, h] * dim**-0.5, dim=0)  # (keys,)
             got = out[n].view(heads, dim)[h].double()
             torch.testing.assert_close(got, weights @ own_v, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [64, 20])  # 20: a tail past the kernel's 8 lanes
+def test_the_compiled_rms_norm_is_the_torch_one_and_each_row_its_own(tmp_path, dtype, width):
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(5, width, generator=gen) * 3).to(dtype)
+    weight = torch.rand(width, generator=gen).to(dtype) + 0.5
+    kernel = compiled_attention("compiled", CPU, dtype, 64, tmp_path)
+    normed = kernel.rms_norm(x, weight, 1e-5)
+    # only the order of the mean's sum differs: a float32 ulp, or a bfloat16 rounding
+    tolerance = 1e-6 if dtype == torch.float32 else 8e-3
+    expected = rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(normed, expected, atol=tolerance, rtol=tolerance)
+    assert all(
+        torch.equal(kernel.rms_norm(x[i : i + 1], weight, 1e-5)[0], normed[i]) for i in range(5)
+    )

@@ -192,11 +192,16 @@ class Block(nn.Module):
         out = attend(q, shared, tail, cache.block_size)  # (G, Hkv, rep, T, D)
         return out.permute(0, 3, 1, 2, 4).reshape(-1, s.num_heads, s.head_dim)
 
+    def normed(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # x: (N, E) -> (N, E)
+        if self.compiled is not None:
+            return self.compiled.rms_norm(x, weight, self.shape.rms_norm_eps)
+        return rms_norm(x, weight, self.shape.rms_norm_eps)
+
     def forward(self, x, cos, sin, cache: PagedKVCache, batch: ForwardBatch):
         # x: (N, E) -> (N, E)
-        eps = self.shape.rms_norm_eps
-        x = x + self.attention(rms_norm(x, self.norm_attn, eps), cos, sin, cache, batch)
-        return x + self.mlp(rms_norm(x, self.norm_mlp, eps))
+        x = x + self.attention(self.normed(x, self.norm_attn), cos, sin, cache, batch)
+        return x + self.mlp(self.normed(x, self.norm_mlp))
 
 
 class NativeLlama(nn.Module):

@@ -225,3 +225,40 @@ int rope_attend_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *s
     return rope_attend(qkv, cos, sin, k_pool, v_pool, positions, keys, starts, out, n_tokens,
                        heads, kv_heads, pool, dim, scale, 1);
 }
+
+/* out = weight * (x * rsqrt(mean(x^2) + eps)) row after row of x (R, E), each product
+   rounded to the dtype as transformers' Llama RMS norm rounds it; the mean of squares in
+   float32 over 8 lanes, then the lanes and the last width % 8 in one fixed order. */
+static inline __attribute__((always_inline)) void rms_norm(const void *x, const void *weight,
+                                                           void *out, int64_t rows,
+                                                           int64_t width, float eps, int bf16) {
+    const int64_t size = bf16 ? 2 : 4, vectors = width - width % LANES;
+    for (int64_t r = 0; r < rows; r++) {
+        const char *row = (const char *)x + r * width * size;
+        v8f squares = splat(0.0f);
+        for (int64_t i = 0; i < vectors; i += LANES) {
+            const v8f v = load(row, i, bf16);
+            squares += v * v;
+        }
+        float total = lane_sum(squares);
+        for (int64_t i = vectors; i < width; i++) {
+            const float v = element(row, i, bf16);
+            total += v * v;
+        }
+        const float scale = 1.0f / __builtin_sqrtf(total / (float)width + eps);
+        for (int64_t i = 0; i < width; i++) {
+            const float normed = rounded(element(row, i, bf16) * scale, bf16);
+            store(out, r * width + i, rounded(element(weight, i, bf16) * normed, bf16), bf16);
+        }
+    }
+}
+
+void rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t width,
+                  float eps) {
+    rms_norm(x, weight, out, rows, width, eps, 0);
+}
+
+void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows,
+                   int64_t width, float eps) {
+    rms_norm(x, weight, out, rows, width, eps, 1);
+}

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_attention.c")
 LANES = 8  # the kernel's vector width: the head size must be a multiple of it
 MAX_DIM = 512  # the kernel's largest head size
-ENTRY = {torch.float32: "rope_attend_f32", torch.bfloat16: "rope_attend_bf16"}
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}  # of the kernel's entries per dtype
 ATTENTION = get_args(Attention)  # EngineConfig.attention
 
 
@@ -57,7 +57,7 @@ def supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | 
     """Why the compiled attention cannot serve this engine, or None if it can."""
     if device.type != "cpu":
         return f"it runs on the CPU, not {device.type}"
-    if dtype not in ENTRY:
+    if dtype not in SUFFIX:
         return f"it reads float32 or bfloat16 caches, not {dtype}"
     if head_dim % LANES or head_dim > MAX_DIM:
         return f"head size {head_dim} is not a multiple of {LANES} up to {MAX_DIM}"
@@ -65,13 +65,17 @@ def supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | 
 
 
 class CompiledAttention:
-    """The loaded kernel for one cache dtype."""
+    """The loaded kernel for one cache dtype: a layer's attention, and its RMS norms (before
+    the attention and before the MLP)."""
 
     def __init__(self, library: ctypes.CDLL, dtype: torch.dtype):
-        self.function = getattr(library, ENTRY[dtype])
-        self.function.restype = ctypes.c_int
         pointer, size = ctypes.c_void_p, ctypes.c_int64
+        self.function = getattr(library, f"rope_attend_{SUFFIX[dtype]}")
+        self.function.restype = ctypes.c_int
         self.function.argtypes = [pointer] * 9 + [size] * 5 + [ctypes.c_float]
+        self.norm = getattr(library, f"rms_norm_{SUFFIX[dtype]}")
+        self.norm.restype = None
+        self.norm.argtypes = [pointer] * 3 + [size] * 2 + [ctypes.c_float]
 
     @classmethod
     def load(cls, cache_dir: Path, dtype: torch.dtype) -> CompiledAttention:
@@ -104,6 +108,14 @@ class CompiledAttention:
         )  # fmt: skip
         if status:
             raise RuntimeError(f"the compiled attention refused its arguments (status {status})")
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # x: (N, E), weight: (E,), in the cache's dtype -> (N, E); llama.rms_norm's arithmetic
+        # with the mean of squares summed in the kernel's order
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self.norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
         return out
 
 
