@@ -13,9 +13,10 @@ construction instead of by padding. Every sum runs in one fixed order (dot
 products over 8 lanes, then keys in list order), in float32 whatever the
 cache's dtype (float32 or bfloat16). The same call first applies the rotary
 position embedding to the new queries and keys and writes the keys and values
-into the pool, rounding as torch's ops do in that dtype: some twenty small ops
-a layer that, in a one-token bfloat16 forward, cost about as much as the
-layer's attention.
+into the pool, rounding as torch's ops do in that dtype: the same bits as the
+twenty-odd small torch ops a layer it replaces. The library also has the
+blocks' RMS norm (`CompiledAttention.rms_norm`), whose mean of squares sums in
+the kernel's own fixed order.
 
 The library is built once per machine and cached (workers/engine/native.py).
 Where no compiler builds it, or the engine runs off the CPU or in float16, the
