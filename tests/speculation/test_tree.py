@@ -43,6 +43,27 @@ def test_tree_mask():
     assert torch.equal(tree_mask(FOREST), expected)
 
 
+def ancestors(parents: list[int], i: int) -> list[int]:
+    """i and its ancestors, walked up one parent at a time (the definition)."""
+    chain = [i]
+    while parents[chain[-1]] >= 0:
+        chain.append(parents[chain[-1]])
+    return chain
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 17, 64, 130])
+def test_depths_and_mask_follow_the_definition_on_random_forests_and_chains(n):
+    gen = torch.Generator().manual_seed(n)
+    chain = torch.arange(-1, n - 1)  # a prefill: every token the child of the one before
+    for parents in (random_tree(n, 50, gen).parents, chain):
+        listed = parents.tolist()
+        expected = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            expected[i, ancestors(listed, i)] = True
+        assert torch.equal(tree_mask(parents), expected)
+        assert depths(parents).tolist() == [len(ancestors(listed, i)) for i in range(n)]
+
+
 def test_children_paths_and_leaves():
     assert children(FOREST) == [[0, 4], [1, 2], [3], [], [], [5], []]
     assert path_to(FOREST, 3) == [0, 1, 3]
