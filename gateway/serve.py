@@ -58,7 +58,7 @@ from gateway.settings import GatewayOptions, GatewaySettings
 from gateway.supervise import Backoff, Child, Supervisor
 from workers.rpc.security import issue
 from workers.settings import EngineOptions, parse, settings_config, to_argv
-from workers.worker import WorkerSettings
+from workers.worker import WorkerSettings, die_with
 
 log = logging.getLogger("specsplit.serve")
 
@@ -109,6 +109,11 @@ class ServeSettings(GatewayOptions, EngineOptions):
         gt=0,
         description="a worker up this long counts as recovered: its next exit "
         "waits --restart-backoff-s again",
+    )
+    parent_pid: int | None = Field(
+        None,
+        description="stop (SIGTERM: drain, then stop the workers) when this process ends; Linux "
+        "(for a harness that starts serve: a test run or a benchmark killed outright)",
     )
     insecure: bool = Field(
         False,
@@ -292,5 +297,7 @@ async def serve(s: ServeSettings) -> int:
 
 def main(argv: list[str]) -> None:
     settings = parse(ServeSettings, argv)
+    if settings.parent_pid is not None:
+        die_with(settings.parent_pid)
     configure_logging(settings.log_level)
     sys.exit(asyncio.run(serve(settings)))

@@ -39,7 +39,8 @@ class Serve:
         self.port = free_port()
         self.state_file = tmp_path / "serve-state.json"
         command = [sys.executable, "-m", "workers.tools.cli", "serve", "--port", str(self.port)]
-        command += ["--state-file", str(self.state_file), "--health-interval-s", "0.5", *args]
+        command += ["--state-file", str(self.state_file), "--health-interval-s", "0.5"]
+        command += ["--parent-pid", str(os.getpid()), *args]  # a killed test run takes it along
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -234,3 +235,13 @@ def test_serve_with_draft_workers_on_tiny_models_and_ctrl_c(tmp_path, tiny_dir, 
     assert code == 0
     for pid in pids:
         wait_until(lambda pid=pid: not alive(pid), 30, f"worker {pid} to exit")
+
+
+def test_serve_ends_at_once_when_its_parent_has_gone():
+    """--parent-pid (what the test harness and the bench pass): serve gets SIGTERM when that
+    process ends (`die_with`, tests/workers/test_lifecycle.py), and before it starts anything
+    when the process is not its parent any more."""
+    command = [sys.executable, "-m", "workers.tools.cli", "serve", "--parent-pid", "1"]
+    orphan = subprocess.run(command, capture_output=True, timeout=120)
+    assert orphan.returncode == -signal.SIGTERM
+    assert b"SpecSplit ready" not in orphan.stdout

@@ -89,8 +89,10 @@ class ServeProcess:
         self.port = free_port()
         python = sys.executable if checkout is None else str(checkout / ".venv" / "bin" / "python")
         self.cwd = checkout
-        serve = [python, "-m", "workers.tools.cli", "serve"]
-        self.command = [*serve, "--port", str(self.port), *args]
+        serve = [python, "-m", "workers.tools.cli", "serve", "--port", str(self.port)]
+        if checkout is None:  # this build's serve: it ends if the bench is killed outright
+            serve += ["--parent-pid", str(os.getpid())]
+        self.command = [*serve, *args]
         self.env = env or dict(os.environ)
         self.timeout_s = timeout_s
         self.lines: list[str] = []
