@@ -104,7 +104,7 @@ def test_one_call_rotates_writes_and_attends_as_the_torch_ops_do(tmp_path, dtype
     expected_k, expected_v = k_pool.clone(), v_pool.clone()
 
     kernel = compiled_attention("compiled", CPU, dtype, dim, tmp_path)
-    out = kernel(qkv, cos, sin, k_pool, v_pool, batch, heads)  # (N, H D)
+    out = kernel(qkv, cos, sin, k_pool, v_pool, batch)  # (N, H D)
 
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q, k, v = q.view(3, heads, dim), k.view(3, kv_heads, dim), v.view(3, kv_heads, dim)

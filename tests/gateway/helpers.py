@@ -87,9 +87,12 @@ def target(
     return InProcessTarget(address, TargetRunner(engine, SessionTable(slots)))
 
 
-def model_draft(path: Path, address: str = "d0", slots: int = 4) -> InProcessDraft:
+def model_draft(
+    path: Path, address: str = "d0", slots: int = 4, kind: type[InProcessDraft] = InProcessDraft
+) -> InProcessDraft:
+    """A model draft of the tiny model at `path`, served in-process by `kind`."""
     engine = load_engine(path, slots)
-    return InProcessDraft(address, model_drafter(engine, SessionTable(slots)))
+    return kind(address, model_drafter(engine, SessionTable(slots)))
 
 
 class StallingDraft(InProcessDraft):
@@ -112,8 +115,7 @@ class StallingDraft(InProcessDraft):
 
 
 def stalling_draft(path: Path, address: str, slots: int = 4) -> StallingDraft:
-    engine = load_engine(path, slots)
-    return StallingDraft(address, model_drafter(engine, SessionTable(slots)))
+    return model_draft(path, address, slots, StallingDraft)
 
 
 class RecordingDraft(InProcessDraft):
@@ -129,8 +131,7 @@ class RecordingDraft(InProcessDraft):
 
 
 def recording_draft(path: Path, address: str = "d0", slots: int = 4) -> RecordingDraft:
-    engine = load_engine(path, slots)
-    return RecordingDraft(address, model_drafter(engine, SessionTable(slots)))
+    return model_draft(path, address, slots, RecordingDraft)
 
 
 def settings(model_dir: Path, targets: list[str], drafts: list[str] = (), **kw) -> GatewaySettings:

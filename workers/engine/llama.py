@@ -164,12 +164,11 @@ class Block(nn.Module):
 
     def attention(self, x, cos, sin, cache: PagedKVCache, batch: ForwardBatch):
         # x: (N, E) -> (N, E); cos, sin: (N, 1, D)
-        s = self.shape
-        n = x.shape[0]
         if self.compiled is not None:  # rotary, the cache write and attention in one call
             k_pool, v_pool = cache.k[self.index], cache.v[self.index]
-            out = self.compiled(self.qkv_proj(x), cos, sin, k_pool, v_pool, batch, s.num_heads)
-            return self.o_proj(out)
+            return self.o_proj(self.compiled(self.qkv_proj(x), cos, sin, k_pool, v_pool, batch))
+        s = self.shape
+        n = x.shape[0]
         q, k, v = self.project_qkv(x)  # (N, H, D), (N, Hkv, D), (N, Hkv, D)
         q = q * cos + rotate_half(q) * sin
         cache.write(self.index, batch, k * cos + rotate_half(k) * sin, v)

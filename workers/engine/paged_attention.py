@@ -92,14 +92,13 @@ class CompiledAttention:
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
         batch: ForwardBatch,
-        heads: int,
     ) -> torch.Tensor:
         # qkv: (N, (H + 2 Hkv) D) the new tokens' projections; cos, sin: (N, 1, D);
         # k_pool, v_pool: (Hkv, P, D) one layer's pool, contiguous; all in the cache's dtype
         # -> (N, H D): writes the rotated keys and the values at batch.token_positions,
         # then attends
         kv_heads, pool, dim = k_pool.shape
-        n = qkv.shape[0]
+        n, heads = qkv.shape[0], qkv.shape[1] // dim - 2 * kv_heads
         qkv, keys = qkv.contiguous(), batch.visible
         out = qkv.new_empty(n, heads * dim)  # (N, H D)
         status = self.function(
