@@ -48,6 +48,13 @@ class EngineOptions(BaseSettings):
         "(CPU, float32 or bfloat16); chunked: torch ops, any device; auto: compiled where it "
         "builds and serves, else chunked",
     )
+    kernel_threads: int = Field(
+        0,
+        ge=0,
+        description="threads of the compiled bfloat16 kernel (its results do not depend on "
+        "them); 0 = torch's threads (OMP_NUM_THREADS, else one per core). A worker running "
+        "it keeps torch itself on one thread",
+    )
     max_seq_len: int = Field(2048, ge=2, description="most tokens per session")
     model_cache: Path | None = Field(
         None, description="model cache; default $SPECSPLIT_MODEL_CACHE or ~/.cache/specsplit"

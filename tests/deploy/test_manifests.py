@@ -173,6 +173,18 @@ def test_environment_names_are_settings_and_parse(overlay, monkeypatch):
             assert value == type(value)(env[key]), f"{component}: {key}={env[key]!r} -> {value!r}"
 
 
+def test_the_workers_threads_fit_their_cpu_limit(overlay):
+    """torch's threads (and the bfloat16 kernel's, which follow them) are set, and no more than
+    the container may run at once: unset, torch takes one per core of the node."""
+    _, docs = overlay
+    for role in ROLES:
+        c = container(docs, role)
+        threads = int(environment(docs, c)["OMP_NUM_THREADS"])
+        limit = str(c["resources"]["limits"]["cpu"])
+        cores = int(limit[:-1]) / 1000 if limit.endswith("m") else float(limit)
+        assert 1 <= threads <= max(1, cores), f"{role}: {threads} threads for {limit} CPUs"
+
+
 def test_the_workers_channel_is_mutual_tls_with_a_token_from_one_secret(overlay, monkeypatch):
     _, docs = overlay
     files = {}

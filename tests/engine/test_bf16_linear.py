@@ -1,15 +1,18 @@
 """The compiled bfloat16 linear kernel (workers/engine/bf16_linear.py): it multiplies like a
 bfloat16 layer, a row's result never depends on the rows beside it (what keeps a bfloat16
-forward batch-invariant, tests/engine/test_batch_invariance.py), and the engine uses it for
-bfloat16 on the CPU, keeping torch's layers where it does not build.
+forward batch-invariant, tests/engine/test_batch_invariance.py) nor on the threads that
+compute it, and the engine uses it for bfloat16 on the CPU, on the threads it is given,
+keeping torch's layers where it does not build.
 
 Both builds are tested where the CPU runs them: the AVX512_BF16 one, and the AVX2 one
 (built here with AVX512_BF16 switched off, as on CPUs without it)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,14 +27,18 @@ from workers.engine.engine import Engine, EngineConfig, resolve_dtype
 BUILDS = {"native": (), "avx2": ("-mno-avx512bf16",)}
 
 
-@pytest.fixture(scope="module", params=list(BUILDS))
-def kernel(request, tmp_path_factory) -> Bf16Kernel:
-    if request.param == "avx2" and "avx512_bf16" not in native.cpu_identity().split():
+def load(build: str, folder, threads: int = 1) -> Bf16Kernel:
+    if build == "avx2" and "avx512_bf16" not in native.cpu_identity().split():
         pytest.skip("the native build is the AVX2 one on this CPU")
     try:
-        return Bf16Kernel.load(tmp_path_factory.mktemp("kernels"), BUILDS[request.param])
+        return Bf16Kernel.load(folder, threads, BUILDS[build])
     except (OSError, subprocess.CalledProcessError) as error:
         pytest.skip(f"the kernel does not build here: {getattr(error, 'stderr', error)}")
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def kernel(request, tmp_path_factory) -> Bf16Kernel:
+    return load(request.param, tmp_path_factory.mktemp("kernels"))
 
 
 def weights(n: int, k: int, bias: bool, seed: int = 0):
@@ -66,6 +73,45 @@ def test_a_row_is_the_same_bits_whatever_rows_share_the_call(kernel, n, k):
         assert torch.equal(kernel.linear(x[:rows], panels, b, n)[:20], alone[:rows])
 
 
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_a_result_is_the_same_bits_on_any_number_of_threads(build, tmp_path):
+    alone = load(build, tmp_path)
+    pooled = [load(build, tmp_path, threads) for threads in (2, 3)]
+    g = torch.Generator().manual_seed(3)
+    for n, k in [(64, 32), (37, 61), (960, 576), (576, 1536)]:
+        w, b = weights(n, k, bias=n % 2 == 1)
+        panels = alone.pack(w)
+        for rows in (1, 2, 5, 13, 40):  # one pass per panel, tiles of rows, widened panels
+            x = torch.randn(rows, k, generator=g).bfloat16()  # (R, K)
+            want = alone.linear(x, panels, b, n)
+            for kernel in pooled:
+                assert torch.equal(kernel.linear(x, panels, b, n), want)
+
+
+def test_many_calls_in_a_row_each_wait_for_all_their_panels(tmp_path):
+    kernel = load("native", tmp_path, threads=2)
+    w, b = weights(600, 48, bias=True)  # 10 panels
+    panels = kernel.pack(w)
+    x = torch.randn(3, 48, generator=torch.Generator().manual_seed(4)).bfloat16()
+    want = load("native", tmp_path).linear(x, panels, b, 600)
+    for _ in range(2000):  # calls closer together than a helper spins, so it joins each
+        assert torch.equal(kernel.linear(x, panels, b, 600), want)
+
+
+def test_a_kernel_collected_joins_its_threads(tmp_path):
+    def threads() -> int:
+        return len(list(Path("/proc/self/task").iterdir()))
+
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("no /proc here")
+    before = threads()
+    kernel = load("native", tmp_path, threads=3)
+    assert threads() == before + 2
+    del kernel
+    gc.collect()
+    assert threads() == before
+
+
 def test_rows_of_another_dtype_are_refused(kernel):
     w, _ = weights(64, 32, bias=False)
     with pytest.raises(TypeError, match="takes bfloat16 rows"):
@@ -93,6 +139,7 @@ def test_a_bfloat16_engine_on_the_cpu_uses_it_and_matches_torch_layers(tmp_path)
         for p in (False, True)
     ]
     assert isinstance(engines[1].model.lm_head, Bf16Linear)
+    assert engines[1].model.lm_head.kernel.threads == torch.get_num_threads()
     assert isinstance(engines[0].model.lm_head, nn.Linear)
     prompt = list(range(3, 20))
     outs = []
@@ -101,6 +148,21 @@ def test_a_bfloat16_engine_on_the_cpu_uses_it_and_matches_torch_layers(tmp_path)
         outs.append(engine.forward([SlotInput(0, len(prompt), [-1], [7])])[0])
     # two bfloat16 forwards rounding in different orders: close, not equal
     assert torch.allclose(outs[0], outs[1], atol=0.25, rtol=0.05)
+
+
+def test_an_engine_gives_the_kernel_the_threads_it_is_told(tmp_path):
+    if bf16_kernel(torch.bfloat16, torch.device("cpu"), tmp_path) is None:
+        pytest.skip("the kernel does not build here")
+    hf = tiny_hf_model(seed=5).to(torch.bfloat16)
+    logits = []
+    for threads in (1, 3):
+        config = EngineConfig(
+            model="tiny", max_sessions=1, max_seq_len=64, cache_dir=tmp_path, kernel_threads=threads
+        )
+        engine = Engine.from_hf(hf, None, config, "tiny")
+        assert engine.model.lm_head.kernel.threads == threads
+        logits.append(engine.forward([SlotInput(0, 0, [-1, 0, 1], [3, 4, 5], logits_for=3)])[0])
+    assert torch.equal(logits[0], logits[1])
 
 
 def test_without_a_working_compiler_the_engine_keeps_torch_layers(tmp_path, monkeypatch, caplog):

@@ -11,7 +11,8 @@
    - AVX2 and FMA: panels (K, PANEL); weights and inputs widened exactly to float32, one
      fused multiply-add per k.
    A decode step's few rows stream the panels once (memory-bound); more rows reuse each
-   panel from the cache for every tile of rows. */
+   panel from the cache for every tile of rows. A call's panels are shared between the
+   caller and the helpers of a pool (pool.h), a panel whole to one thread. */
 
 #include <immintrin.h>
 #include <stdint.h>
@@ -19,6 +20,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "pool.h"
 
 #if !defined(__AVX512BF16__) && !(defined(__AVX2__) && defined(__FMA__))
 #error "the bfloat16 linear kernel needs AVX512_BF16, or AVX2 and FMA"
@@ -92,11 +94,27 @@ static void linear_rows(const uint32_t *x, const uint32_t *panels, const uint16_
     }
 }
 
-/* x (R, K) bfloat16; panels from `pack`; bias (N,) or NULL; y (R, N). 0: done; 2: out of
-   memory. An odd K is padded with a zero column (x copied). */
-int linear(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y,
-           int64_t rows, int64_t n_dim, int64_t k_dim) {
-    const int64_t pairs = (k_dim + 1) / 2, count = (n_dim + PANEL - 1) / PANEL;
+typedef struct {
+    const uint32_t *x, *panels; /* pairs of k as 32-bit units */
+    const uint16_t *bias;
+    uint16_t *y;
+    int64_t rows, n_dim, pairs;
+} job;
+
+/* every row against panel p */
+static void panel_rows(const void *arg, int64_t p, int worker) {
+    const job *j = arg;
+    (void)worker;
+    for (int64_t r0 = 0; r0 < j->rows; r0 += RT)
+        linear_rows(j->x, j->panels, j->bias, j->y, j->n_dim, j->pairs, p, r0,
+                    j->rows - r0 < RT ? (int)(j->rows - r0) : RT);
+}
+
+/* x (R, K) bfloat16; panels from `pack`; bias (N,) or NULL; y (R, N); helpers: a pool or
+   NULL. 0: done; 2: out of memory. An odd K is padded with a zero column (x copied). */
+int linear(pool *helpers, const uint16_t *x, const uint16_t *panels, const uint16_t *bias,
+           uint16_t *y, int64_t rows, int64_t n_dim, int64_t k_dim) {
+    const int64_t pairs = (k_dim + 1) / 2;
     uint16_t *padded = NULL;
     if (k_dim % 2) {
         padded = calloc((size_t)(rows * pairs * 2), sizeof *padded);
@@ -105,10 +123,8 @@ int linear(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint
             memcpy(padded + r * pairs * 2, x + r * k_dim, (size_t)k_dim * sizeof *x);
         x = padded;
     }
-    for (int64_t p = 0; p < count; p++)
-        for (int64_t r0 = 0; r0 < rows; r0 += RT)
-            linear_rows((const uint32_t *)x, (const uint32_t *)panels, bias, y, n_dim, pairs, p,
-                        r0, rows - r0 < RT ? (int)(rows - r0) : RT);
+    const job j = {(const uint32_t *)x, (const uint32_t *)panels, bias, y, rows, n_dim, pairs};
+    pool_run(helpers, panel_rows, &j, (n_dim + PANEL - 1) / PANEL);
     free(padded);
     return 0;
 }
@@ -199,40 +215,57 @@ static void tiles(const float *x, const void *panel, int wide, int64_t k_dim, in
     else tiles_of(x, panel, 0, k_dim, r0, nr, sums);
 }
 
-/* x (R, K) bfloat16; panels from `pack`; bias (N,) or NULL; y (R, N). 0: done; 2: out of
-   memory. Up to 2 rows read a panel in one pass, all its outputs at once; more go over it
-   in tiles of rows and 16 outputs, from WIDE_ROWS rows on widened once into float32. */
-int linear(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y,
-           int64_t rows, int64_t n_dim, int64_t k_dim) {
-    const int64_t count = (n_dim + PANEL - 1) / PANEL;
+typedef struct {
+    const float *xs; /* x widened */
+    const uint16_t *panels, *bias;
+    uint16_t *y;
+    float *scratch; /* a panel widened, K * PANEL per worker, when wide */
+    int64_t rows, n_dim, k_dim;
+    int wide;
+} job;
+
+/* every row against panel p */
+static void panel_rows(const void *arg, int64_t p, int worker) {
+    const job *j = arg;
+    const int64_t k_dim = j->k_dim;
+    const uint16_t *panel = j->panels + p * k_dim * PANEL;
+    float sums[RT][PANEL];
+    if (j->rows <= 2) {
+        for (int64_t r = 0; r < j->rows; r++) {
+            row_panel(j->xs + r * k_dim, panel, k_dim, sums[0]);
+            finish(sums[0], PANEL, j->bias, p * PANEL, j->n_dim, j->y + r * j->n_dim);
+        }
+        return;
+    }
+    float *s = j->wide ? j->scratch + worker * k_dim * PANEL : NULL;
+    if (s)
+        for (int64_t i = 0; i < k_dim * PANEL; i += 8) _mm256_store_ps(s + i, widen(panel + i));
+    for (int64_t r0 = 0; r0 < j->rows; r0 += RT) {
+        const int nr = j->rows - r0 < RT ? (int)(j->rows - r0) : RT;
+        tiles(j->xs, s ? (const void *)s : panel, j->wide, k_dim, r0, nr, sums);
+        for (int i = 0; i < nr; i++)
+            finish(sums[i], PANEL, j->bias, p * PANEL, j->n_dim, j->y + (r0 + i) * j->n_dim);
+    }
+}
+
+/* x (R, K) bfloat16; panels from `pack`; bias (N,) or NULL; y (R, N); helpers: a pool or
+   NULL. 0: done; 2: out of memory. Up to 2 rows read a panel in one pass, all its outputs at
+   once; more go over it in tiles of rows and 16 outputs, from WIDE_ROWS rows on widened once
+   into float32. */
+int linear(pool *helpers, const uint16_t *x, const uint16_t *panels, const uint16_t *bias,
+           uint16_t *y, int64_t rows, int64_t n_dim, int64_t k_dim) {
     const int wide = rows >= WIDE_ROWS;
+    const int64_t workers = 1 + (helpers ? helpers->helpers : 0);
     float *xs = malloc((size_t)(rows * k_dim) * sizeof *xs);
-    float *s = wide ? aligned_alloc(32, (size_t)(k_dim * PANEL) * sizeof *s) : NULL;
+    float *s = wide ? aligned_alloc(32, (size_t)(workers * k_dim * PANEL) * sizeof *s) : NULL;
     if (!xs || (wide && !s)) {
         free(xs);
         free(s);
         return 2;
     }
     for (int64_t i = 0; i < rows * k_dim; i++) xs[i] = bf16_to_float(x[i]);
-    float sums[RT][PANEL];
-    for (int64_t p = 0; p < count; p++) {
-        const uint16_t *panel = panels + p * k_dim * PANEL;
-        if (rows <= 2) {
-            for (int64_t r = 0; r < rows; r++) {
-                row_panel(xs + r * k_dim, panel, k_dim, sums[0]);
-                finish(sums[0], PANEL, bias, p * PANEL, n_dim, y + r * n_dim);
-            }
-            continue;
-        }
-        if (wide)
-            for (int64_t i = 0; i < k_dim * PANEL; i += 8) _mm256_store_ps(s + i, widen(panel + i));
-        for (int64_t r0 = 0; r0 < rows; r0 += RT) {
-            const int nr = rows - r0 < RT ? (int)(rows - r0) : RT;
-            tiles(xs, wide ? (const void *)s : panel, wide, k_dim, r0, nr, sums);
-            for (int i = 0; i < nr; i++)
-                finish(sums[i], PANEL, bias, p * PANEL, n_dim, y + (r0 + i) * n_dim);
-        }
-    }
+    const job j = {xs, panels, bias, y, s, rows, n_dim, k_dim, wide};
+    pool_run(helpers, panel_rows, &j, (n_dim + PANEL - 1) / PANEL);
     free(xs);
     free(s);
     return 0;

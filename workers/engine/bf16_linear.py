@@ -34,9 +34,10 @@ SOURCE = Path(__file__).with_name("bf16_linear.c")
 
 
 class Bf16Kernel:
-    """The loaded kernel: packs weights, multiplies rows by them."""
+    """The loaded kernel: packs weights, multiplies rows by them on `threads` threads (the
+    caller and a pool of helpers, workers/engine/pool.h); the results do not depend on it."""
 
-    def __init__(self, library: ctypes.CDLL):
+    def __init__(self, library: ctypes.CDLL, threads: int = 1):
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         self._elements = library.panel_elements
         self._elements.restype, self._elements.argtypes = size, [size, size]
@@ -44,13 +45,17 @@ class Bf16Kernel:
         self._pack.restype, self._pack.argtypes = None, [pointer, pointer, size, size]
         self._linear = library.linear
         self._linear.restype = ctypes.c_int
-        self._linear.argtypes = [pointer] * 4 + [size] * 3
+        self._linear.argtypes = [pointer] * 5 + [size] * 3
+        self.threads = max(1, threads)
+        self._pool = native.Pool(library, self.threads - 1)
 
     @classmethod
-    def load(cls, cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> Bf16Kernel:
+    def load(
+        cls, cache_dir: Path, threads: int = 1, extra_flags: tuple[str, ...] = ()
+    ) -> Bf16Kernel:
         """Builds (once per machine) and loads the kernel; raises OSError or
         CalledProcessError where it cannot. `extra_flags` (tests) narrow the target CPU."""
-        return cls(native.load(SOURCE, cache_dir, extra_flags))
+        return cls(native.load(SOURCE, cache_dir, extra_flags), threads)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         # weight: (N, K) bfloat16 -> the kernel's panels, flat
@@ -69,7 +74,9 @@ class Bf16Kernel:
         rows, k = x.shape
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         bias_ptr = None if bias is None else bias.data_ptr()
-        status = self._linear(x.data_ptr(), panels.data_ptr(), bias_ptr, y.data_ptr(), rows, n, k)
+        status = self._linear(
+            self._pool.handle, x.data_ptr(), panels.data_ptr(), bias_ptr, y.data_ptr(), rows, n, k
+        )
         if status:
             raise MemoryError("the bfloat16 linear kernel could not allocate its scratch")
         return y
@@ -92,12 +99,14 @@ class Bf16Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def bf16_kernel(dtype: torch.dtype, device: torch.device, cache_dir: Path) -> Bf16Kernel | None:
+def bf16_kernel(
+    dtype: torch.dtype, device: torch.device, cache_dir: Path, threads: int = 1
+) -> Bf16Kernel | None:
     """The kernel for bfloat16 layers on the CPU, or None (saying why where it does not build)."""
     if dtype != torch.bfloat16 or device.type != "cpu":
         return None
     try:
-        return Bf16Kernel.load(cache_dir)
+        return Bf16Kernel.load(cache_dir, threads)
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", None) or error
         log.warning("keeping torch's bfloat16 linear layers: the kernel did not build: %s", detail)

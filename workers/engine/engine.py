@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from workers.engine.batch import SlotInput, build_batch
-from workers.engine.bf16_linear import bf16_kernel
+from workers.engine.bf16_linear import Bf16Linear, bf16_kernel
 from workers.engine.eagle import EagleHead, draft_kind, load_fuse
 from workers.engine.kv_cache import PagedKVCache
 from workers.engine.llama import LlamaShape, NativeLlama
@@ -69,6 +69,8 @@ class EngineConfig:
     # "compiled" (workers/engine/paged_attention.py), "chunked" (workers/engine/attention.py),
     # or "auto": compiled where it can serve (a CPU, float32 or bfloat16, a C compiler)
     attention: Attention = "auto"
+    # threads of the compiled bfloat16 kernel; 0 = torch's (torch.get_num_threads())
+    kernel_threads: int = 0
     # share full KV blocks between sessions by their tokens (workers/engine/prefix_cache.py);
     # never for an EAGLE head, whose keys and values also depend on the states it is fed
     prefix_caching: bool = True
@@ -124,7 +126,7 @@ class Engine:
         else:
             model = EagleHead(hf_model, fuse, compiled).eval()
         if config.pack_weights:
-            pack_linears(model, kernels)
+            pack_linears(model, kernels, config.kernel_threads or torch.get_num_threads())
         context = min(config.max_seq_len, shape.max_positions)
         room = context + config.max_tree_nodes  # cache columns one session may reach
         cache = PagedKVCache(
@@ -153,6 +155,12 @@ class Engine:
     @property
     def num_slots(self) -> int:
         return self.cache.num_slots
+
+    @property
+    def kernel_threads(self) -> int:
+        """The threads of the compiled bfloat16 kernel its linear layers run on; 0 for none."""
+        head = self.model.lm_head
+        return head.kernel.threads if isinstance(head, Bf16Linear) else 0
 
     def info(self, role: str, max_tree_nodes: int, live_sessions: int) -> WorkerInfo:
         """What a worker over this engine says about itself (its Info call)."""

@@ -14,6 +14,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import weakref
 from pathlib import Path
 
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
@@ -64,3 +65,20 @@ def build(source: Path, cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> P
 def load(source: Path, cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """Builds (once per machine) and loads `source`; raises as `build` does."""
     return ctypes.CDLL(str(build(source, cache_dir, extra_flags)))
+
+
+class Pool:
+    """A kernel library's pool of helper threads (pool.h), joined when this is collected;
+    `handle` is None (the caller alone) for no helpers."""
+
+    def __init__(self, library: ctypes.CDLL, helpers: int):
+        self.handle = None
+        if helpers <= 0:
+            return
+        new, free = library.pool_new, library.pool_free
+        new.restype, new.argtypes = ctypes.c_void_p, [ctypes.c_int]
+        free.restype, free.argtypes = None, [ctypes.c_void_p]
+        self.handle = new(helpers)
+        if self.handle is None:
+            raise OSError(f"could not start {helpers} kernel threads")
+        weakref.finalize(self, free, self.handle)

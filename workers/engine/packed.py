@@ -65,13 +65,13 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
 
-def pack_linears(model: nn.Module, cache_dir: Path) -> bool:
+def pack_linears(model: nn.Module, cache_dir: Path, threads: int = 1) -> bool:
     """Packs the blocks' projections and the LM head of a NativeLlama; True when it did.
-    `cache_dir`: where the bfloat16 kernel's library is cached."""
+    `cache_dir`: where the bfloat16 kernel's library is cached; `threads`: the kernel's."""
     weight = model.lm_head.weight
     if can_pack(weight.dtype, weight.device):
         make = PackedLinear
-    elif (kernel := bf16_kernel(weight.dtype, weight.device, cache_dir)) is not None:
+    elif (kernel := bf16_kernel(weight.dtype, weight.device, cache_dir, threads)) is not None:
 
         def make(linear: nn.Linear) -> nn.Module:
             return Bf16Linear(linear, kernel)

@@ -99,6 +99,7 @@ def main(argv: list[str]) -> None:
             device=s.device,
             dtype=s.dtype,
             attention=s.attention,
+            kernel_threads=s.kernel_threads,
             max_sessions=1,
             max_seq_len=s.max_seq_len,
             cache_dir=s.model_cache,

@@ -47,11 +47,14 @@ class ServeConfig:
     prefix_caching: bool = True  # the workers share KV blocks of common prompt prefixes
     min_match: int = MIN_MATCH  # the n-gram draft's shortest match (--ngram-min-match)
     dtype: str = "float32"  # the workers' --dtype
+    kernel_threads: int = 0  # the workers' --kernel-threads; 0 = their torch threads
 
     def describe(self) -> str:
         extras = ("" if self.prefix_caching else ", no prefix caching") + (
             "" if self.dtype == "float32" else f", {self.dtype}"
         )
+        if self.kernel_threads:
+            extras += f", kernel on {self.kernel_threads} threads"
         return self.speculation() + extras
 
     def speculation(self) -> str:
@@ -161,7 +164,7 @@ class Serve(ServeProcess):
         args += ["--hybrid-draft" if config.hybrid else "--no-hybrid-draft"]
         args += ["--adaptive-knee-tokens", str(knee_tokens)]
         args += ["--ngram-min-match", str(config.min_match)]
-        args += ["--dtype", config.dtype]
+        args += ["--dtype", config.dtype, "--kernel-threads", str(config.kernel_threads)]
         if not config.prefix_caching:
             args += ["--no-worker-prefix-caching"]
         env = dict(os.environ)

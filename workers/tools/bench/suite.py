@@ -21,6 +21,9 @@ Rows (pick with --rows):
                         off and the default with the workers in bfloat16 (--dtype bfloat16);
                         their texts are checked against the first bfloat16 row's, every
                         other row's against hf-generate's (or the first float32 row's)
+  off-bf16-cores, ngram-tree-adaptive-bf16-cores
+                        the bfloat16 rows with the kernel on every core (--kernel-threads),
+                        the rest of the workers on --worker-threads
 
 Every SpecSplit row starts a `specsplit serve` of its own for each point it
 measures (a workload at some streams), so that no point finds another's
@@ -50,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,6 +136,7 @@ class BenchSettings(BaseSettings):
 def serve_configs(s: BenchSettings) -> dict[str, ServeConfig]:
     nd, nb = s.ngram_depth, s.ngram_budget
     md, mk, mb = s.model_depth, s.model_branching, s.model_budget
+    cores = len(os.sched_getaffinity(0))
     configs = [
         ServeConfig("off", "none"),
         ServeConfig("off-no-prefix-cache", "none", prefix_caching=False),
@@ -147,6 +152,14 @@ def serve_configs(s: BenchSettings) -> dict[str, ServeConfig]:
         ServeConfig("off-bf16", "none", dtype="bfloat16"),
         ServeConfig(
             "ngram-tree-adaptive-bf16", "ngram", nd, 2, nb, adaptive=True, dtype="bfloat16"
+        ),
+        ServeConfig("off-bf16-cores", "none", dtype="bfloat16", kernel_threads=cores),
+        ServeConfig(
+            "ngram-tree-adaptive-bf16-cores",
+            *("ngram", nd, 2, nb),
+            adaptive=True,
+            dtype="bfloat16",
+            kernel_threads=cores,
         ),
     ]
     return {c.name: c for c in configs}
