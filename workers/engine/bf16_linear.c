@@ -14,6 +14,8 @@
    panel from the cache for every tile of rows. A call's panels are shared between the
    caller and the helpers of a pool (pool.h), a panel whole to one thread. */
 
+#define _GNU_SOURCE /* pool.h names its threads */
+
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>

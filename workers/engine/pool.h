@@ -17,6 +17,8 @@
 #ifndef SPECSPLIT_POOL_H
 #define SPECSPLIT_POOL_H
 
+/* an includer defines _GNU_SOURCE before its first include, for pthread_setname_np */
+
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
@@ -26,6 +28,7 @@
 #include <time.h>
 
 #define SPIN_NS 200000 /* a helper's spin before it sleeps */
+#define POOL_THREAD_NAME "specsplit-pool" /* what top -H and /proc call a helper */
 
 /* does item `item` of `job`; `worker` is 0 for the caller, 1 .. helpers for the helpers */
 typedef void (*pool_item)(const void *job, int64_t item, int worker);
@@ -146,6 +149,7 @@ pool *pool_new(int helpers) {
             pool_stop(p, i);
             return NULL;
         }
+        pthread_setname_np(p->threads[i], POOL_THREAD_NAME);
     }
     return p;
 }
