@@ -162,6 +162,7 @@ def test_an_engine_gives_the_kernel_the_threads_it_is_told(tmp_path):
         )
         engine = Engine.from_hf(hf, None, config, "tiny")
         assert engine.model.lm_head.kernel.threads == threads
+        assert engine.model.blocks[0].compiled.pool is engine.model.lm_head.kernel.pool
         logits.append(engine.forward([SlotInput(0, 0, [-1, 0, 1], [3, 4, 5], logits_for=3)])[0])
     assert torch.equal(logits[0], logits[1])
 

@@ -5,6 +5,7 @@ That both give bit-identical logits however a token is batched, and both match
 transformers, is tested in test_batch_invariance.py and test_native_parity.py."""
 
 import logging
+from itertools import accumulate
 from types import SimpleNamespace
 
 import pytest
@@ -38,7 +39,7 @@ def test_auto_compiles_once_and_caches_the_library(tmp_path):
 def test_a_changed_header_builds_the_library_anew(tmp_path):
     sources = tmp_path / "src"
     sources.mkdir()
-    for name in ("paged_attention.c", "bf16.h"):
+    for name in ("paged_attention.c", "bf16.h", "pool.h"):
         (sources / name).write_bytes((SOURCE.parent / name).read_bytes())
     first = native.build(sources / "paged_attention.c", tmp_path)
     with (sources / "bf16.h").open("a") as header:
@@ -121,6 +122,28 @@ def test_one_call_rotates_writes_and_attends_as_the_torch_ops_do(tmp_path, dtype
             weights = torch.softmax(own_k @ rotated[n, h] * dim**-0.5, dim=0)  # (keys,)
             got = out[n].view(heads, dim)[h].double()
             torch.testing.assert_close(got, weights @ own_v, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threads_share_the_heads_and_change_no_bit(tmp_path, dtype):
+    heads, kv_heads, dim, pool, n = 6, 2, 32, 80, 9
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    angles = torch.rand(n, 1, dim, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)  # (N, 1, D)
+    k_pool, v_pool = torch.randn(2, kv_heads, pool, dim, generator=gen).to(dtype)
+    # a prefix at positions 0 .. 59, then a chain of nine new tokens at 60 .. 68
+    seen = [list(range(61 + i)) for i in range(n)]
+    keys = VisibleKeys(torch.tensor(sum(seen, [])), torch.tensor([0, *accumulate(map(len, seen))]))
+    batch = SimpleNamespace(token_positions=torch.arange(60, 60 + n), visible=keys)
+    library = native.load(SOURCE, tmp_path)
+    outs = []
+    for helpers in (0, 1, 3):
+        kernel = CompiledAttention(library, dtype, native.Pool(library, helpers))
+        k, v = k_pool.clone(), v_pool.clone()
+        outs.append((kernel(qkv, cos, sin, k, v, batch), k, v))
+    for out, k, v in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip((out, k, v), outs[0], strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

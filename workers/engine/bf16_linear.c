@@ -114,8 +114,8 @@ static void panel_rows(const void *arg, int64_t p, int worker) {
 
 /* x (R, K) bfloat16; panels from `pack`; bias (N,) or NULL; y (R, N); helpers: a pool or
    NULL. 0: done; 2: out of memory. An odd K is padded with a zero column (x copied). */
-int linear(pool *helpers, const uint16_t *x, const uint16_t *panels, const uint16_t *bias,
-           uint16_t *y, int64_t rows, int64_t n_dim, int64_t k_dim) {
+int linear(thread_pool *helpers, const uint16_t *x, const uint16_t *panels,
+           const uint16_t *bias, uint16_t *y, int64_t rows, int64_t n_dim, int64_t k_dim) {
     const int64_t pairs = (k_dim + 1) / 2;
     uint16_t *padded = NULL;
     if (k_dim % 2) {
@@ -254,8 +254,8 @@ static void panel_rows(const void *arg, int64_t p, int worker) {
    NULL. 0: done; 2: out of memory. Up to 2 rows read a panel in one pass, all its outputs at
    once; more go over it in tiles of rows and 16 outputs, from WIDE_ROWS rows on widened once
    into float32. */
-int linear(pool *helpers, const uint16_t *x, const uint16_t *panels, const uint16_t *bias,
-           uint16_t *y, int64_t rows, int64_t n_dim, int64_t k_dim) {
+int linear(thread_pool *helpers, const uint16_t *x, const uint16_t *panels,
+           const uint16_t *bias, uint16_t *y, int64_t rows, int64_t n_dim, int64_t k_dim) {
     const int wide = rows >= WIDE_ROWS;
     const int64_t workers = 1 + (helpers ? helpers->helpers : 0);
     float *xs = malloc((size_t)(rows * k_dim) * sizeof *xs);

@@ -47,7 +47,7 @@ class Bf16Kernel:
         self._linear.restype = ctypes.c_int
         self._linear.argtypes = [pointer] * 5 + [size] * 3
         self.threads = max(1, threads)
-        self._pool = native.Pool(library, self.threads - 1)
+        self.pool = native.Pool(library, self.threads - 1)  # the compiled attention's too
 
     @classmethod
     def load(
@@ -75,7 +75,7 @@ class Bf16Kernel:
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         bias_ptr = None if bias is None else bias.data_ptr()
         status = self._linear(
-            self._pool.handle, x.data_ptr(), panels.data_ptr(), bias_ptr, y.data_ptr(), rows, n, k
+            self.pool.handle, x.data_ptr(), panels.data_ptr(), bias_ptr, y.data_ptr(), rows, n, k
         )
         if status:
             raise MemoryError("the bfloat16 linear kernel could not allocate its scratch")

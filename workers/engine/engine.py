@@ -118,15 +118,19 @@ class Engine:
         shape = LlamaShape.from_config(hf_model.config)
         dtype = next(hf_model.parameters()).dtype
         kernels = config.cache_dir or default_cache_dir()  # where compiled kernels are cached
+        device = torch.device(config.device)
+        threads = config.kernel_threads or torch.get_num_threads()
+        kernel = bf16_kernel(dtype, device, kernels, threads) if config.pack_weights else None
+        pool = None if kernel is None else kernel.pool  # the attention shares its threads
         compiled = compiled_attention(
-            config.attention, torch.device(config.device), dtype, shape.head_dim, kernels
+            config.attention, device, dtype, shape.head_dim, kernels, pool
         )
         if fuse is None:
             model = NativeLlama(hf_model, compiled).eval()
         else:
             model = EagleHead(hf_model, fuse, compiled).eval()
         if config.pack_weights:
-            pack_linears(model, kernels, config.kernel_threads or torch.get_num_threads())
+            pack_linears(model, kernel)
         context = min(config.max_seq_len, shape.max_positions)
         room = context + config.max_tree_nodes  # cache columns one session may reach
         cache = PagedKVCache(

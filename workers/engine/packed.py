@@ -21,12 +21,11 @@ on the CPU and the kernel builds; otherwise it leaves the model as it is.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from workers.engine.bf16_linear import Bf16Linear, bf16_kernel
+from workers.engine.bf16_linear import Bf16Kernel, Bf16Linear
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +64,13 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
         return False
 
 
-def pack_linears(model: nn.Module, cache_dir: Path, threads: int = 1) -> bool:
+def pack_linears(model: nn.Module, kernel: Bf16Kernel | None) -> bool:
     """Packs the blocks' projections and the LM head of a NativeLlama; True when it did.
-    `cache_dir`: where the bfloat16 kernel's library is cached; `threads`: the kernel's."""
+    `kernel`: the bfloat16 kernel (`bf16_kernel`), for a bfloat16 model on the CPU."""
     weight = model.lm_head.weight
     if can_pack(weight.dtype, weight.device):
         make = PackedLinear
-    elif (kernel := bf16_kernel(weight.dtype, weight.device, cache_dir, threads)) is not None:
+    elif kernel is not None and weight.dtype == torch.bfloat16:
 
         def make(linear: nn.Linear) -> nn.Module:
             return Bf16Linear(linear, kernel)

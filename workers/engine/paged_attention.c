@@ -11,15 +11,21 @@
    element as torch computes x * cos + rotate_half(x) * sin in the cache's dtype: both
    products and the sum rounded to it (bfloat16: to nearest, ties to even).
 
+   The (token, query head) pairs are shared between the caller and the helpers of a
+   pool (pool.h), a pair whole to one thread, so the output does not depend on them.
+
    Shapes: N tokens, H query heads, Hkv key/value heads (rep = H / Hkv query heads
    each), P pool positions, D head size (a multiple of 8, at most MAX_DIM), M
    listed keys in all. */
+
+#define _GNU_SOURCE /* pool.h names its threads */
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "pool.h"
 
 #define LANES 8
 #define MAX_DIM 512
@@ -110,25 +116,35 @@ static inline __attribute__((always_inline)) void attend_head(
     for (int64_t i = 0; i < vecs; i++) *(v8f_u *)(o + i * LANES) = acc[i] / sum;
 }
 
-/* q, out: (N, H, D) float32; k_pool, v_pool: (Hkv, P, D); token n reads the keys at
-   pool positions keys[starts[n]] .. keys[starts[n + 1] - 1]. One thread: beside torch's
-   OpenMP threads, which spin between parallel regions, a second one made prefills and
-   trees slower, not faster. */
-static inline __attribute__((always_inline)) void attend(
-    const float *q, const void *k_pool, const void *v_pool, const int64_t *keys,
-    const int64_t *starts, float *out, int64_t n_tokens, int64_t heads, int64_t kv_heads,
-    int64_t pool, int64_t dim, float scale, float *p, int bf16) {
-    const size_t head_bytes = (size_t)(pool * dim) * (bf16 ? 2 : 4);
-    const int64_t rep = heads / kv_heads;
-    for (int64_t n = 0; n < n_tokens; n++) {
-        for (int64_t h = 0; h < heads; h++) {
-            const size_t offset = (size_t)(h / rep) * head_bytes;
-            const int64_t row = (n * heads + h) * dim;
-            attend_head(q + row, (const char *)k_pool + offset, (const char *)v_pool + offset,
-                        keys + starts[n], starts[n + 1] - starts[n], dim, scale, p, out + row,
-                        bf16);
-        }
-    }
+/* A layer's attention: q, out (N, H, D) float32; k_pool, v_pool (Hkv, P, D); token n reads
+   the keys at pool positions keys[starts[n]] .. keys[starts[n + 1] - 1]; p: a scratch of
+   `scratch` floats per worker of the pool. */
+typedef struct {
+    const float *q;
+    const void *k_pool, *v_pool;
+    const int64_t *keys, *starts;
+    float *out, *p;
+    int64_t heads, kv_heads, pool, dim, scratch;
+    float scale;
+    int bf16;
+} attention;
+
+/* one (token, query head): item n * H + h */
+static void attend_item(const void *arg, int64_t item, int worker) {
+    const attention *a = arg;
+    const int64_t n = item / a->heads, h = item % a->heads;
+    const size_t offset = (size_t)(h / (a->heads / a->kv_heads) * a->pool * a->dim) *
+                          (a->bf16 ? 2 : 4); /* its key/value head */
+    const int64_t row = item * a->dim;
+    float *p = a->p + worker * a->scratch;
+    if (a->bf16)
+        attend_head(a->q + row, (const char *)a->k_pool + offset, (const char *)a->v_pool + offset,
+                    a->keys + a->starts[n], a->starts[n + 1] - a->starts[n], a->dim, a->scale, p,
+                    a->out + row, 1);
+    else
+        attend_head(a->q + row, (const char *)a->k_pool + offset, (const char *)a->v_pool + offset,
+                    a->keys + a->starts[n], a->starts[n + 1] - a->starts[n], a->dim, a->scale, p,
+                    a->out + row, 0);
 }
 
 /* x rounded to the cache's dtype. A float32 result goes through memory, so that the
@@ -165,12 +181,13 @@ static void rope(const void *x, const void *cos, const void *sin, int64_t dim, i
 
 /* qkv: (N, (H + 2 Hkv) D), each token's projected queries, keys and values side by side;
    cos, sin: (N, D); positions: (N,) the pool position each token's key and value go to;
-   out: (N, H, D), all in the cache's dtype. 0: done; 1: bad arguments; 2: out of memory. */
+   out: (N, H, D), all in the cache's dtype; helpers: a pool or NULL. 0: done; 1: bad
+   arguments; 2: out of memory. */
 static inline __attribute__((always_inline)) int rope_attend(
-    const void *qkv, const void *cos, const void *sin, void *k_pool, void *v_pool,
-    const int64_t *positions, const int64_t *keys, const int64_t *starts, void *out,
-    int64_t n_tokens, int64_t heads, int64_t kv_heads, int64_t pool, int64_t dim, float scale,
-    int bf16) {
+    thread_pool *helpers, const void *qkv, const void *cos, const void *sin, void *k_pool,
+    void *v_pool, const int64_t *positions, const int64_t *keys, const int64_t *starts,
+    void *out, int64_t n_tokens, int64_t heads, int64_t kv_heads, int64_t pool, int64_t dim,
+    float scale, int bf16) {
     if (dim % LANES || dim > MAX_DIM || heads % kv_heads) return 1;
     int64_t most = 0;
     for (int64_t n = 0; n < n_tokens; n++) {
@@ -179,9 +196,11 @@ static inline __attribute__((always_inline)) int rope_attend(
         most = count > most ? count : most; /* every token sees at least itself */
     }
     const size_t values = (size_t)(n_tokens * heads * dim); /* a multiple of LANES */
+    const int64_t scratch = (most / LANES + 1) * LANES;
+    const int64_t workers = 1 + (helpers ? helpers->helpers : 0);
     float *q = aligned_alloc(32, values * sizeof(float));
     float *o = aligned_alloc(32, values * sizeof(float));
-    float *p = aligned_alloc(32, (size_t)(most / LANES + 1) * LANES * sizeof(float));
+    float *p = aligned_alloc(32, (size_t)(workers * scratch) * sizeof(float));
     if (!q || !o || !p) {
         free(q), free(o), free(p);
         return 2;
@@ -203,27 +222,29 @@ static inline __attribute__((always_inline)) int rope_attend(
             }
         }
     }
-    attend(q, k_pool, v_pool, keys, starts, o, n_tokens, heads, kv_heads, pool, dim, scale, p,
-           bf16);
+    const attention job = {q, k_pool, v_pool, keys, starts, o, p, heads, kv_heads, pool, dim,
+                           scratch, scale, bf16};
+    pool_run(helpers, attend_item, &job, n_tokens * heads);
     for (size_t i = 0; i < values; i++) store(out, (int64_t)i, o[i], bf16);
     free(q), free(o), free(p);
     return 0;
 }
 
-int rope_attend_f32(const float *qkv, const float *cos, const float *sin, float *k_pool,
-                    float *v_pool, const int64_t *positions, const int64_t *keys,
+int rope_attend_f32(thread_pool *helpers, const float *qkv, const float *cos, const float *sin,
+                    float *k_pool, float *v_pool, const int64_t *positions, const int64_t *keys,
                     const int64_t *starts, float *out, int64_t n_tokens, int64_t heads,
                     int64_t kv_heads, int64_t pool, int64_t dim, float scale) {
-    return rope_attend(qkv, cos, sin, k_pool, v_pool, positions, keys, starts, out, n_tokens,
-                       heads, kv_heads, pool, dim, scale, 0);
+    return rope_attend(helpers, qkv, cos, sin, k_pool, v_pool, positions, keys, starts, out,
+                       n_tokens, heads, kv_heads, pool, dim, scale, 0);
 }
 
-int rope_attend_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin,
-                     uint16_t *k_pool, uint16_t *v_pool, const int64_t *positions,
-                     const int64_t *keys, const int64_t *starts, uint16_t *out, int64_t n_tokens,
-                     int64_t heads, int64_t kv_heads, int64_t pool, int64_t dim, float scale) {
-    return rope_attend(qkv, cos, sin, k_pool, v_pool, positions, keys, starts, out, n_tokens,
-                       heads, kv_heads, pool, dim, scale, 1);
+int rope_attend_bf16(thread_pool *helpers, const uint16_t *qkv, const uint16_t *cos,
+                     const uint16_t *sin, uint16_t *k_pool, uint16_t *v_pool,
+                     const int64_t *positions, const int64_t *keys, const int64_t *starts,
+                     uint16_t *out, int64_t n_tokens, int64_t heads, int64_t kv_heads,
+                     int64_t pool, int64_t dim, float scale) {
+    return rope_attend(helpers, qkv, cos, sin, k_pool, v_pool, positions, keys, starts, out,
+                       n_tokens, heads, kv_heads, pool, dim, scale, 1);
 }
 
 /* out = weight * (x * rsqrt(mean(x^2) + eps)) row after row of x (R, E), each product

@@ -16,7 +16,9 @@ position embedding to the new queries and keys and writes the keys and values
 into the pool, rounding as torch's ops do in that dtype: the same bits as the
 twenty-odd small torch ops a layer it replaces. The library also has the
 blocks' RMS norm (`CompiledAttention.rms_norm`), whose mean of squares sums in
-the kernel's own fixed order.
+the kernel's own fixed order. Beside the bfloat16 kernel (workers/engine/bf16_linear.py)
+the attention shares its (token, head) pairs among that kernel's threads, each pair whole
+to one thread: the threads change no bit.
 
 The library is built once per machine and cached (workers/engine/native.py).
 Where no compiler builds it, or the engine runs off the CPU or in float16, the
@@ -67,22 +69,26 @@ def supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | 
 
 class CompiledAttention:
     """The loaded kernel for one cache dtype: a layer's attention, and its RMS norms (before
-    the attention and before the MLP)."""
+    the attention and before the MLP). With `pool` (the bfloat16 kernel's helper threads,
+    workers/engine/pool.h) the attention shares its (token, head) pairs among them."""
 
-    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype):
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype, pool: native.Pool | None = None):
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         self.function = getattr(library, f"rope_attend_{SUFFIX[dtype]}")
         self.function.restype = ctypes.c_int
-        self.function.argtypes = [pointer] * 9 + [size] * 5 + [ctypes.c_float]
+        self.function.argtypes = [pointer] * 10 + [size] * 5 + [ctypes.c_float]
+        self.pool = pool
         self.norm = getattr(library, f"rms_norm_{SUFFIX[dtype]}")
         self.norm.restype = None
         self.norm.argtypes = [pointer] * 3 + [size] * 2 + [ctypes.c_float]
 
     @classmethod
-    def load(cls, cache_dir: Path, dtype: torch.dtype) -> CompiledAttention:
+    def load(
+        cls, cache_dir: Path, dtype: torch.dtype, pool: native.Pool | None = None
+    ) -> CompiledAttention:
         """Builds (once per machine) and loads the kernel; raises OSError or
         CalledProcessError where it cannot."""
-        return cls(native.load(SOURCE, cache_dir), dtype)
+        return cls(native.load(SOURCE, cache_dir), dtype, pool)
 
     def __call__(
         self,
@@ -101,8 +107,9 @@ class CompiledAttention:
         n, heads = qkv.shape[0], qkv.shape[1] // dim - 2 * kv_heads
         qkv, keys = qkv.contiguous(), batch.visible
         out = qkv.new_empty(n, heads * dim)  # (N, H D)
+        helpers = None if self.pool is None else self.pool.handle
         status = self.function(
-            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_pool.data_ptr(),
+            helpers, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_pool.data_ptr(),
             v_pool.data_ptr(), batch.token_positions.data_ptr(), keys.positions.data_ptr(),
             keys.starts.data_ptr(), out.data_ptr(), n, heads, kv_heads, pool, dim, dim**-0.5,
         )  # fmt: skip
@@ -120,11 +127,16 @@ class CompiledAttention:
 
 
 def compiled_attention(
-    choice: str, device: torch.device, dtype: torch.dtype, head_dim: int, cache_dir: Path
+    choice: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    cache_dir: Path,
+    pool: native.Pool | None = None,
 ) -> CompiledAttention | None:
     """The kernel for `choice` ("auto", "compiled" or "chunked", EngineConfig.attention), or
     None for attention.py's chunked attention. "compiled" raises where the kernel cannot
-    serve; "auto" falls back to chunked then, saying why."""
+    serve; "auto" falls back to chunked then, saying why. `pool`: helper threads it may use."""
     if choice not in ATTENTION:
         raise ValueError(f"attention {choice!r} is not one of {', '.join(ATTENTION)}")
     if choice == "chunked":
@@ -132,7 +144,7 @@ def compiled_attention(
     reason = supported(device, dtype, head_dim)
     if reason is None:
         try:
-            return CompiledAttention.load(cache_dir, dtype)
+            return CompiledAttention.load(cache_dir, dtype, pool)
         except (OSError, subprocess.CalledProcessError) as error:
             detail = getattr(error, "stderr", None) or error
             reason = f"it did not build: {detail}"

@@ -33,7 +33,7 @@
 /* does item `item` of `job`; `worker` is 0 for the caller, 1 .. helpers for the helpers */
 typedef void (*pool_item)(const void *job, int64_t item, int worker);
 
-typedef struct pool {
+typedef struct thread_pool {
     int helpers;
     pthread_t *threads;
     pthread_mutex_t lock;
@@ -47,10 +47,10 @@ typedef struct pool {
     pool_item run;
     const void *job;
     int64_t items;
-} pool;
+} thread_pool;
 
 typedef struct {
-    pool *pool;
+    thread_pool *pool;
     int worker;
 } helper_arg;
 
@@ -61,7 +61,7 @@ static int64_t now_ns(void) {
 }
 
 /* claims and does items until none is left */
-static void pool_work(pool *p, int worker) {
+static void pool_work(thread_pool *p, int worker) {
     for (int64_t i; (i = atomic_fetch_add(&p->next, 1)) < p->items;) {
         p->run(p->job, i, worker);
         atomic_fetch_sub(&p->left, 1);
@@ -76,7 +76,7 @@ static void pool_wait_zero(atomic_int_fast64_t *value) {
 }
 
 /* the number of the next published job after `seen`, or `seen` once the pool stops */
-static uint64_t pool_wait(pool *p, uint64_t seen) {
+static uint64_t pool_wait(thread_pool *p, uint64_t seen) {
     const int64_t until = now_ns() + SPIN_NS;
     for (int spins = 0;; spins++) {
         const uint64_t g = atomic_load(&p->gen);
@@ -101,7 +101,7 @@ static uint64_t pool_wait(pool *p, uint64_t seen) {
 }
 
 static void *pool_helper(void *arg) {
-    pool *p = ((helper_arg *)arg)->pool;
+    thread_pool *p = ((helper_arg *)arg)->pool;
     const int worker = ((helper_arg *)arg)->worker;
     free(arg);
     uint64_t seen = atomic_load(&p->gen);
@@ -117,7 +117,7 @@ static void *pool_helper(void *arg) {
     }
 }
 
-static void pool_stop(pool *p, int started) {
+static void pool_stop(thread_pool *p, int started) {
     pthread_mutex_lock(&p->lock);
     atomic_store(&p->stop, 1);
     pthread_cond_broadcast(&p->wake);
@@ -130,8 +130,8 @@ static void pool_stop(pool *p, int started) {
 }
 
 /* a pool of `helpers` threads beside the caller, or NULL (out of memory or threads) */
-pool *pool_new(int helpers) {
-    pool *p = calloc(1, sizeof *p);
+thread_pool *pool_new(int helpers) {
+    thread_pool *p = calloc(1, sizeof *p);
     if (!p) return NULL;
     p->threads = calloc((size_t)(helpers > 0 ? helpers : 1), sizeof *p->threads);
     if (!p->threads) {
@@ -154,12 +154,12 @@ pool *pool_new(int helpers) {
     return p;
 }
 
-void pool_free(pool *p) {
+void pool_free(thread_pool *p) {
     if (p) pool_stop(p, p->helpers);
 }
 
 /* does items 0 .. items - 1 of `job`, on the caller and the pool's helpers (p may be NULL) */
-static void pool_run(pool *p, pool_item run, const void *job, int64_t items) {
+static void pool_run(thread_pool *p, pool_item run, const void *job, int64_t items) {
     if (!p || !p->helpers || items < 2) {
         for (int64_t i = 0; i < items; i++) run(job, i, 0);
         return;
