@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 
 import pytest
 
@@ -84,6 +85,24 @@ def test_rows_describe_their_configuration():
         configs["ngram-tree-adaptive-bf16"].speculation()
         == configs["ngram-tree-adaptive"].speculation()
     )
+
+
+def test_each_row_is_set_against_speculation_off_of_its_dtype_and_kernel_threads():
+    configs = serve_configs(BenchSettings())
+    for row, config in configs.items():
+        off = configs[report.baseline(row)]
+        assert off.draft == "none" and off.prefix_caching
+        assert (off.dtype, off.kernel_threads) == (config.dtype, config.kernel_threads), row
+    assert configs["ngram-tree-adaptive-bf16-cores"].kernel_threads == len(os.sched_getaffinity(0))
+    assert "kernel on" in configs["off-bf16-cores"].describe()
+    s = BenchSettings(streams="1,8", sweep_rows="off-bf16,ngram-tree-adaptive-bf16")
+    run = Run(s, "test machine", "", (0.5, 0.5, 0.5))
+    for row, tokens in (("off-bf16", 20), ("ngram-tree-adaptive-bf16", 30)):
+        for streams in (1, 8):
+            f = Figures.of([timed(0.0, [(1.0, tokens * streams)])], 1.0)
+            run.results.append(Result(row, row, "grounded", streams, f, True, {"gateway": 0.5}))
+    text = report.markdown(run)
+    assert "| 30.0 (1.50×) | 240.0 (1.50×) |" in text  # the sweep, against off-bf16
 
 
 def test_a_bfloat16_row_is_checked_against_bfloat16_texts():

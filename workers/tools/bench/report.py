@@ -79,6 +79,15 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+OFF_ROWS = ("off-bf16-cores", "off-bf16", "off")  # speculation off per dtype and kernel threads
+
+
+def baseline(row: str) -> str:
+    """The speculation-off row that `row` is set against: the one of its dtype and kernel
+    threads, whose names end as its own does (suite.serve_configs)."""
+    return next(off for off in OFF_ROWS if row.endswith(off.removeprefix("off")))
+
+
 @dataclass(frozen=True)
 class Target:
     what: str
@@ -124,13 +133,14 @@ def targets(run: Run) -> list[Target]:
         add(f"{row}: 8 streams aggregate vs 1 stream ≥ 4×", ratio(eight, one), 4.0)
     worst = None
     for row in run.settings.names(run.settings.sweep_rows):
-        if row == "off":
+        if row in OFF_ROWS:
             continue
+        off = baseline(row)
         ratios = [
-            ratio(sweep_point(run, row, n), sweep_point(run, "off", n)) for n in sweep_streams(run)
+            ratio(sweep_point(run, row, n), sweep_point(run, off, n)) for n in sweep_streams(run)
         ]
         ratios = [x for x in ratios if x is not None]
-        if ratios and row.endswith("adaptive"):
+        if ratios and "adaptive" in row:
             worst = min(ratios) if worst is None else min(worst, min(ratios))
     add(
         "adaptive n-gram tree: no sweep point > 5% slower than off (worst ratio ≥ 0.95×)",
@@ -186,7 +196,7 @@ def turn_ratios(run: Run, row: str, streams: int) -> list[float]:
     """The row's tok/s over speculation off's at a sweep point, turn by turn: the serves
     of one turn ran next to each other, so each ratio is the row against off on the same
     minute of the machine, and their spread is how far the median's ratio can be read."""
-    mine, off = sweep_result(run, row, streams), sweep_result(run, "off", streams)
+    mine, off = sweep_result(run, row, streams), sweep_result(run, baseline(row), streams)
     if mine is None or off is None:
         return []
     return [a / b for a, b in zip(mine.turns, off.turns, strict=False) if b]
@@ -234,7 +244,7 @@ def markdown(run: Run) -> str:
         f = r.figures
         lines.append(
             f"| {r.row} | {r.setup} | {r.workload} | {f.tok_s_stream:.1f} "
-            f"| {fmt(ratio(f.tok_s_stream, speed(run, 'off', r.workload)), 2)} "
+            f"| {fmt(ratio(f.tok_s_stream, speed(run, baseline(r.row), r.workload)), 2)} "
             f"| {fmt(ratio(f.tok_s_stream, speed(run, 'hf-generate', r.workload)), 2)} "
             f"| {fmt(f.ttft_p50_ms, 0)} | {fmt(f.itl_p50_ms, 1)} / {fmt(f.itl_p99_ms, 1)} "
             f"| {fmt(f.tau, 2)} | {fmt(f.acceptance, 2)} | {fmt(r.phases_ms.get('gateway'), 2)} "
@@ -246,7 +256,7 @@ def markdown(run: Run) -> str:
         lines += [
             "",
             f"## Concurrency sweep ({s.sweep_workload}): aggregate tok/s "
-            "(× speculation off at that point)",
+            "(× speculation off of the same dtype and kernel threads at that point)",
             "",
             "| row | " + " | ".join(f"{n} streams" for n in points) + " | 8 vs 1 |",
             "|---|" + "---:|" * (len(points) + 1),
@@ -255,12 +265,16 @@ def markdown(run: Run) -> str:
             cells = []
             for n in points:
                 value = sweep_point(run, row, n)
-                off = sweep_point(run, "off", n)
-                rel = f" ({ratio(value, off):.2f}×)" if row != "off" and ratio(value, off) else ""
+                off = sweep_point(run, baseline(row), n)
+                rel = (
+                    f" ({ratio(value, off):.2f}×)"
+                    if row not in OFF_ROWS and ratio(value, off)
+                    else ""
+                )
                 cells.append(fmt(value, 1) + rel)
             scaling = ratio(sweep_point(run, row, 8), sweep_point(run, row, 1))
             lines.append(f"| {row} | " + " | ".join(cells) + f" | {fmt(scaling, 2, '×')} |")
-        lines += turns_table(run, [row for row in rows if row != "off"], points)
+        lines += turns_table(run, [row for row in rows if row not in OFF_ROWS], points)
     lines += ["", "## Targets (issue 6)", "", "| target | reached | met |", "|---|---:|:---:|"]
     for t in targets(run):
         met = "not measured" if t.met is None else ("yes" if t.met else "**no**")
