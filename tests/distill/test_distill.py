@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from workers.engine.engine import EngineConfig
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.loader import load_tokenizer
 from workers.engine.text import encode_chat
 from workers.loop.inprocess import build_local
 from workers.protocol import TreeSpec
@@ -20,7 +21,7 @@ from workers.speculation.sampling import SamplingParams
 from workers.tools import cli
 from workers.tools.bench import draft as draft_bench
 from workers.tools.distill import prompts
-from workers.tools.distill.data import load_batches
+from workers.tools.distill.data import Teacher, load_batches
 from workers.tools.distill.model import DraftTrainer
 from workers.tools.distill.run import DistillSettings, distill
 
@@ -123,6 +124,27 @@ def test_data_cache_serves_a_smaller_run_and_options_must_match(tiny_target, dra
         distill(settings(tiny_target, draft, hidden=48), log=lambda _: None)
     with pytest.raises(ValueError, match="--seed was 3, now 4"):
         distill(settings(tiny_target, draft, seed=4), log=lambda _: None)
+
+
+def test_the_target_answers_in_the_dtype_asked_and_the_cache_keeps_to_it(tiny_target, tmp_path):
+    out, quiet = tmp_path / "bf16", lambda _: None
+    bf16 = settings(tiny_target, out, teacher_dtype="bfloat16", stop_after=0)
+    assert distill(bf16, quiet) is None
+    (first, *_), *_ = load_batches(out / "checkpoint" / "data", "train")
+    engine = Engine.load(EngineConfig(str(tiny_target), dtype="bfloat16", max_sessions=1))
+    prompt = first.ids[: first.prompt_len]
+    again = Teacher(engine, load_tokenizer(tiny_target)).examples(
+        [prompt], [first.answer_len], k=1
+    )[0]
+    assert again.ids == first.ids  # the bfloat16 engine's own greedy answer
+    with pytest.raises(ValueError, match="--teacher-dtype was 'bfloat16', now 'float32'"):
+        distill(settings(tiny_target, out, stop_after=0), quiet)
+    recipe = out / "checkpoint" / "recipe.json"  # written before the option existed:
+    old = json.loads(recipe.read_text())
+    del old["teacher_dtype"]
+    recipe.write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="--teacher-dtype was 'float32', now 'bfloat16'"):
+        distill(bf16, quiet)
 
 
 def test_draft_bench_rows_all_give_the_target_tokens(tiny_target, draft):

@@ -56,7 +56,10 @@ from workers.tools.distill.train import (
 INIT_SEQUENCES = 48  # training sequences whose target activations choose the draft's axes
 SAVE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # options that must not change while OUT/checkpoint holds their work
-DATA_RECIPE = ("target", "max_new_tokens", "long_new_tokens", "gen_batch", "top_k", "seed")
+DATA_RECIPE = (
+    *("target", "teacher_dtype", "max_new_tokens", "long_new_tokens", "gen_batch", "top_k"),
+    "seed",
+)
 TRAIN_RECIPE = (
     *("layers", "hidden", "intermediate", "vocab_top", "tokens", "eval_prompts", "steps"),
     *("batch_size", "lr", "prompt_weight"),
@@ -87,6 +90,12 @@ class DistillSettings(BaseSettings):
         320, ge=1, description="longest target answer to a request for a long one"
     )
     gen_batch: int = Field(32, ge=1, description="prompts the target answers at once (KV slots)")
+    teacher_dtype: Literal["float32", "bfloat16", "auto"] = Field(
+        "float32",
+        description="the dtype the target answers in (its greedy tokens are the data): float32 "
+        "is transformers' text; bfloat16 is what `make run` serves where SpecSplit's kernel "
+        "builds, and generates faster (bench/DRAFT.md); auto as `specsplit serve --dtype auto`",
+    )
     top_k: int = Field(32, ge=1, description="target candidates kept per position for the KL")
     steps: int = Field(496, ge=1, description="optimizer steps")
     batch_size: int = Field(16, ge=1, description="sequences per optimizer step")
@@ -129,8 +138,13 @@ def distill(s: DistillSettings, log=print) -> dict | None:
 
     def teacher() -> Teacher:
         if "teacher" not in loaded:
-            size = EngineConfig(max_sessions=s.gen_batch, max_seq_len=spec.context)
-            engine = Engine.from_hf(target_hf(), tokenizer, size, s.target)
+            log(f"loading the target {s.target} to answer, in {s.teacher_dtype}")
+            engine = Engine.load(
+                EngineConfig(
+                    s.target, dtype=s.teacher_dtype, max_sessions=s.gen_batch,
+                    max_seq_len=spec.context,
+                )
+            )  # fmt: skip
             loaded["teacher"] = Teacher(engine, tokenizer)
         return loaded["teacher"]
 
@@ -247,8 +261,9 @@ def _check_recipe(folder: Path, s: DistillSettings) -> None:
     meta = folder / "recipe.json"
     names, state = (EAGLE_RECIPE, "eagle.pt") if s.method == "eagle" else (TRAIN_RECIPE, "state.pt")
     recipe = recipe_of(s, names)
-    if meta.is_file():
-        old = json.loads(meta.read_text())
+    if meta.is_file():  # an option newer than the file reads as its default
+        defaults = {n: _jsonable(f.default) for n, f in DistillSettings.model_fields.items()}
+        old = defaults | json.loads(meta.read_text())
         data_diff = [n for n in (*DATA_RECIPE, "prompt_set") if old.get(n) != recipe[n]]
         if data_diff:
             raise ValueError(
