@@ -70,7 +70,7 @@ def pack_linears(model: nn.Module, kernel: Bf16Kernel | None) -> bool:
     weight = model.lm_head.weight
     if can_pack(weight.dtype, weight.device):
         make = PackedLinear
-    elif kernel is not None and weight.dtype == torch.bfloat16:
+    elif kernel is not None:
 
         def make(linear: nn.Linear) -> nn.Module:
             return Bf16Linear(linear, kernel)

@@ -2,7 +2,8 @@
    between the calling thread and the pool's helpers.
 
    One job at a time, published by the thread that calls `pool_run`, which also works on it
-   and returns when every item is done. Items are claimed one by one from a shared counter,
+   and returns when every item is done; callers take turns (an engine runs one forward at a
+   time). Items are claimed one by one from a shared counter,
    so a helper the system does not run at once (the other core busy with the gateway)
    leaves its share to the others instead of holding the call up. Which thread computes an
    item never changes what it computes: the kernels' results do not depend on the threads.
