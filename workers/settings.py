@@ -51,9 +51,9 @@ class EngineOptions(BaseSettings):
     kernel_threads: int = Field(
         0,
         ge=0,
-        description="threads of the compiled bfloat16 kernel (its results do not depend on "
-        "them); 0 = torch's threads (OMP_NUM_THREADS, else one per core). A worker running "
-        "it keeps torch itself on one thread",
+        description="threads of the compiled bfloat16 kernel and, beside it, the compiled "
+        "attention (results do not depend on them); 0 = torch's threads (OMP_NUM_THREADS, "
+        "else one per core). A worker running it keeps torch itself on one thread",
     )
     max_seq_len: int = Field(2048, ge=2, description="most tokens per session")
     model_cache: Path | None = Field(

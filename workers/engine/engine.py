@@ -69,7 +69,8 @@ class EngineConfig:
     # "compiled" (workers/engine/paged_attention.py), "chunked" (workers/engine/attention.py),
     # or "auto": compiled where it can serve (a CPU, float32 or bfloat16, a C compiler)
     attention: Attention = "auto"
-    # threads of the compiled bfloat16 kernel; 0 = torch's (torch.get_num_threads())
+    # threads of the compiled bfloat16 kernel, shared with the compiled attention beside it;
+    # 0 = torch's (torch.get_num_threads())
     kernel_threads: int = 0
     # share full KV blocks between sessions by their tokens (workers/engine/prefix_cache.py);
     # never for an EAGLE head, whose keys and values also depend on the states it is fed
