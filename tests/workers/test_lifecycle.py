@@ -9,12 +9,16 @@ import sys
 from pathlib import Path
 
 import grpc
+import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.distill.conftest import save_tiny_target
 from tests.engine.tiny import tiny_engine
 from tests.gateway.helpers import wait_until
 from tests.gateway.test_serve import alive
 from tests.workers.helpers import scrape, target_worker
+from workers.engine.bf16_linear import bf16_kernel
 from workers.protocol import ProposeCall, TreeSpec, VerifyCall
 from workers.rpc.client import GrpcBackend
 from workers.speculation.sampling import SamplingParams
@@ -74,6 +78,30 @@ async def test_worker_command_serves_and_drains_on_sigterm():
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_a_bfloat16_worker_runs_the_kernel_on_every_thread_and_torch_on_one(tmp_path):
+    if bf16_kernel(torch.bfloat16, torch.device("cpu"), tmp_path) is None:
+        pytest.skip("the bfloat16 kernel does not build here")
+    target = save_tiny_target(tmp_path / "target")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "workers.tools.cli", "worker", "target", "--model", str(target),
+        "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+        "--insecure", "--health-port", "0",
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "2"}, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        said = []
+        while b"serving" not in (line := await asyncio.wait_for(proc.stderr.readline(), 120)):
+            assert line, f"the worker exited: {b''.join(said)!r}"
+            said.append(line)
+        assert any(b"torch on 1 thread beside the bfloat16 kernel's 2" in x for x in said)
+        tasks = Path(f"/proc/{proc.pid}/task")
+        names = [(task / "comm").read_text().strip() for task in tasks.iterdir()]
+        assert names.count("specsplit-pool") == 1  # one helper beside the forward's thread
+    finally:
+        proc.kill()
+        await proc.wait()
 
 
 async def test_shutdown_finishes_in_flight_calls_then_refuses_new_ones():
