@@ -125,14 +125,15 @@ def test_one_call_rotates_writes_and_attends_as_the_torch_ops_do(tmp_path, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_threads_share_the_heads_and_change_no_bit(tmp_path, dtype):
-    heads, kv_heads, dim, pool, n = 6, 2, 32, 80, 9
+@pytest.mark.parametrize("n", [9, 1])  # 1: too few (token, key/value head) items to share
+def test_threads_share_the_heads_and_change_no_bit(tmp_path, dtype, n):
+    heads, kv_heads, dim, pool = 6, 2, 32, 80
     gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
     angles = torch.rand(n, 1, dim, generator=gen) * 6
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)  # (N, 1, D)
     k_pool, v_pool = torch.randn(2, kv_heads, pool, dim, generator=gen).to(dtype)
-    # a prefix at positions 0 .. 59, then a chain of nine new tokens at 60 .. 68
+    # a prefix at positions 0 .. 59, then a chain of n new tokens from 60 on
     seen = [list(range(61 + i)) for i in range(n)]
     keys = VisibleKeys(torch.tensor(sum(seen, [])), torch.tensor([0, *accumulate(map(len, seen))]))
     batch = SimpleNamespace(token_positions=torch.arange(60, 60 + n), visible=keys)
@@ -144,6 +145,16 @@ def test_threads_share_the_heads_and_change_no_bit(tmp_path, dtype):
         outs.append((kernel(qkv, cos, sin, k, v, batch), k, v))
     for out, k, v in outs[1:]:
         assert all(torch.equal(a, b) for a, b in zip((out, k, v), outs[0], strict=True))
+    out, k, v = outs[0]  # and each head (three a key/value head) is its own attention
+    q = qkv[:, : heads * dim].view(n, heads, dim)
+    rotated = (q * cos + rotate_half(q) * sin).double()  # (N, H, D)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    for t, visible in enumerate(seen):
+        for h in range(heads):
+            own_k, own_v = (cache[h // 3, visible].double() for cache in (k, v))
+            weights = torch.softmax(own_k @ rotated[t, h] * dim**-0.5, dim=0)  # (keys,)
+            got = out[t].view(heads, dim)[h].double()
+            torch.testing.assert_close(got, weights @ own_v, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

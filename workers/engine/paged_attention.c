@@ -11,8 +11,10 @@
    element as torch computes x * cos + rotate_half(x) * sin in the cache's dtype: both
    products and the sum rounded to it (bfloat16: to nearest, ties to even).
 
-   The (token, query head) pairs are shared between the caller and the helpers of a
-   pool (pool.h), a pair whole to one thread, so the output does not depend on them.
+   A key/value head's query heads (rep of them, up to GROUP) go over its keys together,
+   each key and value read once for them all, every head's sums as if it were alone. The
+   (token, group) items are shared between the caller and the helpers of a pool (pool.h),
+   an item whole to one thread, so the output does not depend on the threads.
 
    Shapes: N tokens, H query heads, Hkv key/value heads (rep = H / Hkv query heads
    each), P pool positions, D head size (a multiple of 8, at most MAX_DIM), M
@@ -83,69 +85,107 @@ static inline v8f exp8(v8f x) {
     return y * bits_to_float((__builtin_convertvector(n, v8i) + 127) << 23);
 }
 
-/* One query head over its keys: o = softmax(q . k_j * scale) . v_j, j in list order.
-   k, v: its key/value head's pool (P, D); p: scratch of the count rounded up to LANES. */
-static inline __attribute__((always_inline)) void attend_head(
+#define GROUP 4 /* most query heads of one key/value head attended together */
+
+/* In the attention every product is rounded before its sum: the compiler fuses none into a
+   multiply-add, so a sum's bits never depend on how the code around it is arranged (how
+   many heads share a pass over the keys: the threads and the batch decide that). */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+/* `rep` query heads of one key/value head over their keys, each as if alone: o_r =
+   softmax(q_r . k_j * scale) . v_j, j in list order; each key and value is read once for
+   them all. q, o: (rep, D); k, v: the key/value head's pool (P, D); p: scratch of `stride`
+   floats per head, the count rounded up to LANES. */
+static inline __attribute__((always_inline)) void attend_heads(
     const float *q, const void *k, const void *v, const int64_t *pos, int64_t count,
-    int64_t dim, float scale, float *p, float *o, int bf16) {
+    int64_t dim, float scale, float *p, int64_t stride, float *o, int rep, int bf16) {
     const int64_t vecs = dim / LANES;
-    v8f qs[MAX_DIM / LANES], acc[MAX_DIM / LANES];
-    for (int64_t i = 0; i < vecs; i++) {
-        qs[i] = *(const v8f_u *)(q + i * LANES) * splat(scale);
-        acc[i] = splat(0.0f);
+    v8f qs[GROUP][MAX_DIM / LANES], acc[GROUP][MAX_DIM / LANES], total[GROUP];
+    float top[GROUP];
+    for (int r = 0; r < rep; r++) {
+        for (int64_t i = 0; i < vecs; i++) {
+            qs[r][i] = *(const v8f_u *)(q + r * dim + i * LANES) * splat(scale);
+            acc[r][i] = splat(0.0f);
+        }
+        top[r] = -__builtin_inff();
+        total[r] = splat(0.0f);
     }
-    float top = -__builtin_inff();
     for (int64_t j = 0; j < count; j++) { /* scores */
-        v8f dot = splat(0.0f);
-        for (int64_t i = 0; i < vecs; i++) dot += qs[i] * load(k, pos[j] * dim + i * LANES, bf16);
-        p[j] = lane_sum(dot);
-        top = p[j] > top ? p[j] : top;
+        v8f dot[GROUP];
+        for (int r = 0; r < rep; r++) dot[r] = splat(0.0f);
+        for (int64_t i = 0; i < vecs; i++) {
+            const v8f key = load(k, pos[j] * dim + i * LANES, bf16);
+            for (int r = 0; r < rep; r++) dot[r] += qs[r][i] * key;
+        }
+        for (int r = 0; r < rep; r++) {
+            const float score = lane_sum(dot[r]);
+            p[r * stride + j] = score;
+            top[r] = score > top[r] ? score : top[r];
+        }
     }
-    v8f total = splat(0.0f);
-    for (int64_t j = 0; j < count; j += LANES) { /* p_j = exp(s_j - top); past the count 0 */
-        const v8i lane = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + (int32_t)j;
-        v8f e = blend(lane < (int32_t)count, exp8(*(v8f *)(p + j) - splat(top)), splat(0.0f));
-        *(v8f *)(p + j) = e;
-        total += e;
+    for (int r = 0; r < rep; r++) /* p_j = exp(s_j - top); past the count 0 */
+        for (int64_t j = 0; j < count; j += LANES) {
+            float *at = p + r * stride + j;
+            const v8i lane = (v8i){0, 1, 2, 3, 4, 5, 6, 7} + (int32_t)j;
+            v8f e = blend(lane < (int32_t)count, exp8(*(v8f *)at - splat(top[r])), splat(0.0f));
+            *(v8f *)at = e;
+            total[r] += e;
+        }
+    for (int64_t j = 0; j < count; j++) /* sum of p_j v_j, key after key */
+        for (int64_t i = 0; i < vecs; i++) {
+            const v8f value = load(v, pos[j] * dim + i * LANES, bf16);
+            for (int r = 0; r < rep; r++) acc[r][i] += splat(p[r * stride + j]) * value;
+        }
+    for (int r = 0; r < rep; r++) {
+        const v8f sum = splat(lane_sum(total[r]));
+        for (int64_t i = 0; i < vecs; i++) *(v8f_u *)(o + r * dim + i * LANES) = acc[r][i] / sum;
     }
-    for (int64_t j = 0; j < count; j++) { /* sum of p_j v_j, key after key */
-        const v8f pj = splat(p[j]);
-        for (int64_t i = 0; i < vecs; i++) acc[i] += pj * load(v, pos[j] * dim + i * LANES, bf16);
-    }
-    const v8f sum = splat(lane_sum(total));
-    for (int64_t i = 0; i < vecs; i++) *(v8f_u *)(o + i * LANES) = acc[i] / sum;
 }
 
 /* A layer's attention: q, out (N, H, D) float32; k_pool, v_pool (Hkv, P, D); token n reads
    the keys at pool positions keys[starts[n]] .. keys[starts[n + 1] - 1]; p: a scratch of
-   `scratch` floats per worker of the pool. */
+   GROUP * `scratch` floats per worker of the pool. */
 typedef struct {
     const float *q;
     const void *k_pool, *v_pool;
     const int64_t *keys, *starts;
     float *out, *p;
-    int64_t heads, kv_heads, pool, dim, scratch;
+    int64_t heads, kv_heads, pool, dim, scratch, group; /* group: query heads an item takes */
     float scale;
     int bf16;
 } attention;
 
-/* one (token, query head): item n * H + h */
+/* a group of up to GROUP query heads, with the count a constant */
+static inline __attribute__((always_inline)) void attend_group(
+    const attention *a, const float *q, const void *k, const void *v, int64_t n, float *p,
+    float *o, int group, int bf16) {
+    const int64_t *pos = a->keys + a->starts[n], count = a->starts[n + 1] - a->starts[n];
+    switch (group) {
+    case 4: attend_heads(q, k, v, pos, count, a->dim, a->scale, p, a->scratch, o, 4, bf16); break;
+    case 3: attend_heads(q, k, v, pos, count, a->dim, a->scale, p, a->scratch, o, 3, bf16); break;
+    case 2: attend_heads(q, k, v, pos, count, a->dim, a->scale, p, a->scratch, o, 2, bf16); break;
+    default: attend_heads(q, k, v, pos, count, a->dim, a->scale, p, a->scratch, o, 1, bf16);
+    }
+}
+
+/* item (n * Hkv + g) * parts + part: of token n's query heads on key/value head g, the
+   part-th run of up to `group` (rep = H / Hkv heads in parts of `group`) */
 static void attend_item(const void *arg, int64_t item, int worker) {
     const attention *a = arg;
-    const int64_t n = item / a->heads, h = item % a->heads;
-    const size_t offset = (size_t)(h / (a->heads / a->kv_heads) * a->pool * a->dim) *
-                          (a->bf16 ? 2 : 4); /* its key/value head */
-    const int64_t row = item * a->dim;
-    float *p = a->p + worker * a->scratch;
-    if (a->bf16)
-        attend_head(a->q + row, (const char *)a->k_pool + offset, (const char *)a->v_pool + offset,
-                    a->keys + a->starts[n], a->starts[n + 1] - a->starts[n], a->dim, a->scale, p,
-                    a->out + row, 1);
-    else
-        attend_head(a->q + row, (const char *)a->k_pool + offset, (const char *)a->v_pool + offset,
-                    a->keys + a->starts[n], a->starts[n + 1] - a->starts[n], a->dim, a->scale, p,
-                    a->out + row, 0);
+    const int64_t rep = a->heads / a->kv_heads, parts = (rep + a->group - 1) / a->group;
+    const int64_t n = item / parts / a->kv_heads, g = item / parts % a->kv_heads;
+    const int64_t h = g * rep + item % parts * a->group;
+    const int group = (int)((g + 1) * rep - h < a->group ? (g + 1) * rep - h : a->group);
+    const size_t offset = (size_t)(g * a->pool * a->dim) * (a->bf16 ? 2 : 4);
+    const void *k = (const char *)a->k_pool + offset, *v = (const char *)a->v_pool + offset;
+    float *p = a->p + worker * GROUP * a->scratch;
+    const int64_t row = (n * a->heads + h) * a->dim;
+    if (a->bf16) attend_group(a, a->q + row, k, v, n, p, a->out + row, group, 1);
+    else attend_group(a, a->q + row, k, v, n, p, a->out + row, group, 0);
 }
+
+#pragma GCC pop_options
 
 /* x rounded to the cache's dtype. A float32 result goes through memory, so that the
    compiler cannot fuse a product with the sum after it (torch rounds each op). */
@@ -200,7 +240,7 @@ static inline __attribute__((always_inline)) int rope_attend(
     const int64_t workers = 1 + (helpers ? helpers->helpers : 0);
     float *q = aligned_alloc(32, values * sizeof(float));
     float *o = aligned_alloc(32, values * sizeof(float));
-    float *p = aligned_alloc(32, (size_t)(workers * scratch) * sizeof(float));
+    float *p = aligned_alloc(32, (size_t)(workers * GROUP * scratch) * sizeof(float));
     if (!q || !o || !p) {
         free(q), free(o), free(p);
         return 2;
@@ -222,9 +262,13 @@ static inline __attribute__((always_inline)) int rope_attend(
             }
         }
     }
+    /* a key/value head's query heads together (each key read once for them), unless that
+       leaves too few items to share between the threads (a decode step's one token) */
+    const int64_t rep = heads / kv_heads, few = n_tokens * kv_heads < 4 * workers;
+    const int64_t group = workers > 1 && few ? 1 : (rep < GROUP ? rep : GROUP);
     const attention job = {q, k_pool, v_pool, keys, starts, o, p, heads, kv_heads, pool, dim,
-                           scratch, scale, bf16};
-    pool_run(helpers, attend_item, &job, n_tokens * heads);
+                           scratch, group, scale, bf16};
+    pool_run(helpers, attend_item, &job, n_tokens * kv_heads * ((rep + group - 1) / group));
     for (size_t i = 0; i < values; i++) store(out, (int64_t)i, o[i], bf16);
     free(q), free(o), free(p);
     return 0;

@@ -16,8 +16,9 @@ position embedding to the new queries and keys and writes the keys and values
 into the pool, rounding as torch's ops do in that dtype: the same bits as the
 twenty-odd small torch ops a layer it replaces. The library also has the
 blocks' RMS norm (`CompiledAttention.rms_norm`), whose mean of squares sums in
-the kernel's own fixed order. Beside the bfloat16 kernel (workers/engine/bf16_linear.py)
-the attention shares its (token, head) pairs among that kernel's threads, each pair whole
+the kernel's own fixed order. The query heads of one key/value head attend together, each
+key read once for them. Beside the bfloat16 kernel (workers/engine/bf16_linear.py) the
+attention shares its (token, head group) items among that kernel's threads, each item whole
 to one thread: the threads change no bit.
 
 The library is built once per machine and cached (workers/engine/native.py).
