@@ -105,6 +105,11 @@ def test_each_row_is_set_against_speculation_off_of_its_dtype_and_kernel_threads
     assert "| 30.0 (1.50×) | 240.0 (1.50×) |" in text  # the sweep, against off-bf16
 
 
+def test_a_swept_row_must_be_one_of_the_rows_when_named():
+    with pytest.raises(SystemExit, match="--sweep-rows ngram-tree: not among --rows"):
+        suite.run_suite(BenchSettings(rows="off", sweep_rows="off,ngram-tree"))
+
+
 def test_a_bfloat16_row_is_checked_against_bfloat16_texts():
     run = Run(BenchSettings(), "test machine", "", (0.0, 0.0, 0.0))
     fp32, bf16 = timed(0.0, [(1.0, 4)]), timed(0.0, [(1.0, 4)])

@@ -213,6 +213,9 @@ def run_suite(s: BenchSettings) -> Run:
     unknown = [r for r in rows if r not in HF_ROWS and r not in configs]
     if unknown:
         raise SystemExit(f"unknown rows: {', '.join(unknown)}")
+    unswept = [r for r in s.names(s.sweep_rows) if r not in rows]
+    if unswept and "sweep_rows" in s.model_fields_set:  # the default sweeps those of --rows
+        raise SystemExit(f"--sweep-rows {', '.join(unswept)}: not among --rows, so not run")
     target_dir = resolve_model(s.target_model)
     tokenizer = load_tokenizer(target_dir)
     needs_draft = any(
