@@ -191,21 +191,8 @@ async def start(settings: WorkerSettings) -> WorkerServer:
     engine = None
     if settings.model_name != "ngram":
         engine = await asyncio.to_thread(Engine.load, settings.engine_config())
-        if engine.kernel_threads:
-            use_one_torch_thread(engine.kernel_threads)
+        engine.torch_beside_kernel()
     return await serve_role(settings.role, engine, settings)
-
-
-def use_one_torch_thread(kernel_threads: int) -> None:
-    """Beside the bfloat16 kernel, which does a forward's products on its own threads, the
-    rest of a forward is small ops that one torch thread does as fast; torch's idle threads
-    would spin on the cores the kernel's need (bench/RESULTS.md: 8 chat streams 219 against
-    289 tokens/s). Threads that run forwards take the count at their first torch op."""
-    import torch
-
-    if torch.get_num_threads() > 1:
-        log.info("torch on 1 thread beside the bfloat16 kernel's %d", kernel_threads)
-        torch.set_num_threads(1)
 
 
 async def run(settings: WorkerSettings) -> None:

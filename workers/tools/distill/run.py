@@ -136,19 +136,26 @@ def distill(s: DistillSettings, log=print) -> dict | None:
         *(s.gen_batch, s.top_k, s.seed),
     )
 
+    threads = torch.get_num_threads()  # training's; the teacher's kernel takes as many
+
     def teacher() -> Teacher:
         if "teacher" not in loaded:
             log(f"loading the target {s.target} to answer, in {s.teacher_dtype}")
             engine = Engine.load(
                 EngineConfig(
                     s.target, dtype=s.teacher_dtype, max_sessions=s.gen_batch,
-                    max_seq_len=spec.context,
+                    max_seq_len=spec.context, kernel_threads=threads,
                 )
             )  # fmt: skip
+            engine.torch_beside_kernel()  # until the data is made
             loaded["teacher"] = Teacher(engine, tokenizer)
         return loaded["teacher"]
 
-    examples, held = collect(folder / "data", spec, teacher, log)
+    try:
+        examples, held = collect(folder / "data", spec, teacher, log)
+    finally:
+        loaded.pop("teacher", None)  # its engine is not needed to train
+        torch.set_num_threads(threads)
     if s.method == "eagle":
         return distill_eagle(s, target_hf(), path, examples, held, log)
     kept = choose_vocab(examples, target_config.vocab_size, s.vocab_top, tokenizer.all_special_ids)
