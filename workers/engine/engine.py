@@ -171,9 +171,9 @@ class Engine:
         """Puts torch on one thread where this engine runs the bfloat16 kernel: the kernel
         does a forward's products (and the attention) on its own threads, the rest is small
         ops one torch thread does as fast, and torch's idle threads would spin on the cores
-        the kernel's need (bench/RESULTS.md: 8 chat streams 219 against 280 tokens/s; the
-        distillation data 312 against 440). For the whole process: threads that run
-        forwards take the count at their first parallel torch op."""
+        the kernel's need (bench/RESULTS.md: 8 chat streams 219 against 280 tokens/s;
+        bench/DRAFT.md: distillation data 275-283 against 365-392). For the whole process:
+        threads that run forwards take the count at their first parallel torch op."""
         if self.kernel_threads and torch.get_num_threads() > 1:
             log.info("torch on 1 thread beside the bfloat16 kernel's %d", self.kernel_threads)
             torch.set_num_threads(1)
