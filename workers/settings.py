@@ -55,6 +55,13 @@ class EngineOptions(BaseSettings):
         "attention (results do not depend on them); 0 = torch's threads (OMP_NUM_THREADS, "
         "else one per core). A worker running it keeps torch itself on one thread",
     )
+    amx: bool = Field(
+        True,
+        description="the compiled bfloat16 kernel on the CPU's AMX tile unit where it has one "
+        "and Linux grants it (Intel Xeon from Sapphire Rapids on: trees and prompts 2-3x "
+        "faster); false: its AVX512_BF16 instructions. The two round differently: bfloat16 "
+        "text can differ between them",
+    )
     max_seq_len: int = Field(2048, ge=2, description="most tokens per session")
     model_cache: Path | None = Field(
         None, description="model cache; default $SPECSPLIT_MODEL_CACHE or ~/.cache/specsplit"

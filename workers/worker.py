@@ -174,6 +174,7 @@ class WorkerSettings(EngineOptions):
             dtype=self.dtype,
             attention=self.attention,
             kernel_threads=self.kernel_threads,
+            amx=self.amx,
             max_sessions=self.max_sessions,
             max_seq_len=self.max_seq_len,
             kv_tokens=self.kv_tokens,

@@ -4,8 +4,10 @@ forward batch-invariant, tests/engine/test_batch_invariance.py) nor on the threa
 compute it, and the engine uses it for bfloat16 on the CPU, on the threads it is given,
 keeping torch's layers where it does not build.
 
-Both builds are tested where the CPU runs them: the AVX512_BF16 one, and the AVX2 one
-(built here with AVX512_BF16 switched off, as on CPUs without it)."""
+Every way it computes is tested where the CPU runs it: the AVX512_BF16 build on the AMX
+tile unit ("tiles", Intel Xeon from Sapphire Rapids on) and on vector instructions
+("native" with the tile unit off), and the AVX2 build (built here with AVX512_BF16
+switched off, as on CPUs without it)."""
 
 from __future__ import annotations
 
@@ -24,16 +26,19 @@ from workers.engine.batch import SlotInput
 from workers.engine.bf16_linear import Bf16Kernel, Bf16Linear, bf16_kernel
 from workers.engine.engine import Engine, EngineConfig, resolve_dtype
 
-BUILDS = {"native": (), "avx2": ("-mno-avx512bf16",)}
+BUILDS = {"tiles": (), "native": (), "avx2": ("-mno-avx512bf16",)}  # the compiler's flags
 
 
 def load(build: str, folder, threads: int = 1) -> Bf16Kernel:
     if build == "avx2" and "avx512_bf16" not in native.cpu_identity().split():
         pytest.skip("the native build is the AVX2 one on this CPU")
     try:
-        return Bf16Kernel.load(folder, threads, BUILDS[build])
+        kernel = Bf16Kernel.load(folder, threads, BUILDS[build], amx=build == "tiles")
     except (OSError, subprocess.CalledProcessError) as error:
         pytest.skip(f"the kernel does not build here: {getattr(error, 'stderr', error)}")
+    if build == "tiles" and not kernel.amx:
+        pytest.skip("no AMX tile unit here (or Linux does not grant it)")
+    return kernel
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
@@ -48,9 +53,9 @@ def weights(n: int, k: int, bias: bool, seed: int = 0):
     return w, b
 
 
-@pytest.mark.parametrize(("n", "k"), [(64, 32), (200, 96), (37, 61), (576, 1536)])
+@pytest.mark.parametrize(("n", "k"), [(64, 32), (200, 96), (37, 61), (576, 1536), (70, 20)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 13])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 13, 16, 35])
 def test_it_multiplies_like_a_bfloat16_layer(kernel, n, k, bias, rows):
     w, b = weights(n, k, bias)
     x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(1))).bfloat16()  # (R, K)
@@ -69,7 +74,7 @@ def test_a_row_is_the_same_bits_whatever_rows_share_the_call(kernel, n, k):
     panels = kernel.pack(w)
     x = torch.randn(130, k, generator=torch.Generator().manual_seed(2)).bfloat16()  # (130, K)
     alone = torch.cat([kernel.linear(x[i : i + 1], panels, b, n) for i in range(20)])  # (20, N)
-    for rows in (2, 3, 5, 6, 7, 12, 17, 20, 130):
+    for rows in (2, 3, 5, 6, 7, 12, 16, 17, 20, 32, 33, 130):
         assert torch.equal(kernel.linear(x[:rows], panels, b, n)[:20], alone[:rows])
 
 
@@ -111,6 +116,23 @@ def test_a_kernel_collected_joins_its_threads(tmp_path):
     del kernel
     gc.collect()
     assert threads() == before
+
+
+def test_the_tile_unit_is_used_only_where_the_build_and_the_caller_want_it(tmp_path):
+    """A library built without AMX, or a kernel told not to, multiplies on vector
+    instructions; a CPU with AMX gets it by default; its products round as closely."""
+    without = Bf16Kernel.load(tmp_path, extra_flags=("-mno-amx-tile", "-mno-amx-bf16"))
+    assert not without.amx and not Bf16Kernel.load(tmp_path, amx=False).amx
+    flags = native.cpu_identity().split()
+    has_amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= set(flags)
+    assert Bf16Kernel.load(tmp_path).amx == has_amx
+    tiles = load("tiles", tmp_path)
+    w, b = weights(200, 96, bias=True)
+    x = torch.randn(20, 96, generator=torch.Generator().manual_seed(5)).bfloat16()  # (20, K)
+    exact = x.double() @ w.double().T + b.double()  # (20, N)
+    for kernel in (tiles, without):
+        error = (kernel.linear(x, kernel.pack(w), b, 200).double() - exact).abs()
+        assert (error <= exact.abs() * 2**-8 + 1e-3).all()
 
 
 def test_rows_of_another_dtype_are_refused(kernel):
@@ -165,6 +187,10 @@ def test_an_engine_gives_the_kernel_the_threads_it_is_told(tmp_path):
         assert engine.model.blocks[0].compiled.pool is engine.model.lm_head.kernel.pool
         logits.append(engine.forward([SlotInput(0, 0, [-1, 0, 1], [3, 4, 5], logits_for=3)])[0])
     assert torch.equal(logits[0], logits[1])
+    config = EngineConfig(
+        model="tiny", max_sessions=1, max_seq_len=64, cache_dir=tmp_path, amx=False
+    )
+    assert not Engine.from_hf(hf, None, config, "tiny").model.lm_head.kernel.amx
 
 
 def test_without_a_working_compiler_the_engine_keeps_torch_layers(tmp_path, monkeypatch, caplog):

@@ -5,9 +5,15 @@
    whichever tile computes it, so a row's result never depends on the rows beside it; it is
    rounded to bfloat16 (to nearest, ties to even) once, after the bias.
 
-   Two builds, picked by the CPU the library is compiled for:
+   Builds, picked by the CPU the library is compiled for:
    - AVX512_BF16: panels (K / 2, PANEL, 2); each step adds the products of two consecutive
      k (vdpbf16ps), weights and inputs read as bfloat16.
+   - AVX512_BF16 and AMX (Intel Xeon from Sapphire Rapids on), where Linux grants the tile
+     state: the same panels, 16 pairs of k at a time by the tile unit (tdpbf16ps: rows of x
+     against 16 pairs of 16 outputs, its sums in an order of the CPU's own), the pairs left
+     over (K / 2 not a multiple of 16) added as above. Every row count goes this way once
+     the kernel is loaded with it, and a row's sums never depend on the other rows of its
+     tile, so a row's result still never depends on the rows beside it.
    - AVX2 and FMA: panels (K, PANEL); weights and inputs widened exactly to float32, one
      fused multiply-add per k.
    A decode step's few rows stream the panels once (memory-bound); more rows reuse each
@@ -101,6 +107,7 @@ typedef struct {
     const uint16_t *bias;
     uint16_t *y;
     int64_t rows, n_dim, pairs;
+    char *configured; /* the tile unit: per worker, whether its tiles are configured */
 } job;
 
 /* every row against panel p */
@@ -112,22 +119,128 @@ static void panel_rows(const void *arg, int64_t p, int worker) {
                     j->rows - r0 < RT ? (int)(j->rows - r0) : RT);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 16 /* rows of x a tile holds */
+#define AMX_PAIRS 16 /* pairs of k a tile step takes: 64 bytes of a row */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* 1 where Linux grants this process the tile state (once asked, every thread has it) */
+int amx_ready(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* this thread's tiles, rows of 64 bytes: 0-3 the sums of `rows` rows x 16 outputs
+   (float32), 4 the rows' 16 pairs of k, 5-7 the weights of 16 pairs x 16 outputs */
+static void amx_configure(int rows) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } config = {.palette = 1};
+    for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = t < 5 ? rows : AMX_PAIRS;
+    _tile_loadconfig(&config);
+}
+
+/* every row against panel p; x holds the rows padded with zero rows to a multiple of
+   AMX_ROWS. A thread loads the tile configuration at its first panel of a call: torch's
+   own tile code (oneDNN) may have loaded its own on the caller's thread since the last. */
+static void amx_panel_rows(const void *arg, int64_t p, int worker) {
+    const job *j = arg;
+    const int64_t pairs = j->pairs, steps = pairs / AMX_PAIRS, stride = pairs * 4;
+    const uint32_t *panel = j->panels + p * pairs * PANEL;
+    float sums[AMX_ROWS][PANEL] __attribute__((aligned(64)));
+    if (!j->configured[worker]) {
+        amx_configure(j->rows < AMX_ROWS ? (int)j->rows : AMX_ROWS);
+        j->configured[worker] = 1;
+    }
+    for (int64_t r0 = 0; r0 < j->rows; r0 += AMX_ROWS) {
+        const uint32_t *x = j->x + r0 * pairs;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t s = 0; s < steps; s++) {
+            const uint32_t *w = panel + s * AMX_PAIRS * PANEL; /* rows of PANEL pairs */
+            _tile_loadd(4, x + s * AMX_PAIRS, stride);
+            _tile_loadd(5, w, PANEL * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, w + 16, PANEL * 4);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(7, w + 32, PANEL * 4);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, w + 48, PANEL * 4);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, sums[0], PANEL * 4);
+        _tile_stored(1, sums[0] + 16, PANEL * 4);
+        _tile_stored(2, sums[0] + 32, PANEL * 4);
+        _tile_stored(3, sums[0] + 48, PANEL * 4);
+        const int nr = j->rows - r0 < AMX_ROWS ? (int)(j->rows - r0) : AMX_ROWS;
+        for (int i = 0; i < nr; i++) {
+            for (int v = 0; v < VECS; v++) { /* the pairs left over, as the AVX512 build */
+                __m512 acc = _mm512_load_ps(sums[i] + v * 16);
+                for (int64_t kk = steps * AMX_PAIRS; kk < pairs; kk++)
+                    acc = _mm512_dpbf16_ps(
+                        acc, (__m512bh)_mm512_set1_epi32((int)x[i * pairs + kk]),
+                        (__m512bh)_mm512_loadu_si512(panel + kk * PANEL + v * 16));
+                _mm512_store_ps(sums[i] + v * 16, acc);
+            }
+            finish(sums[i], PANEL, j->bias, p * PANEL, j->n_dim, j->y + (r0 + i) * j->n_dim);
+        }
+    }
+}
+
+#else
+
+int amx_ready(void) { return 0; }
+
+#endif
+
 /* x (R, K) bfloat16; panels from `pack`; bias (N,) or NULL; y (R, N); helpers: a pool or
-   NULL. 0: done; 2: out of memory. An odd K is padded with a zero column (x copied). */
+   NULL; amx: by the tile unit (where `amx_ready`). 0: done; 2: out of memory. An odd K is
+   padded with a zero column, and for the tile unit more than 16 rows with zero rows to a
+   multiple of 16 (x copied). */
 int linear(thread_pool *helpers, const uint16_t *x, const uint16_t *panels,
-           const uint16_t *bias, uint16_t *y, int64_t rows, int64_t n_dim, int64_t k_dim) {
-    const int64_t pairs = (k_dim + 1) / 2;
-    uint16_t *padded = NULL;
-    if (k_dim % 2) {
-        padded = calloc((size_t)(rows * pairs * 2), sizeof *padded);
-        if (!padded) return 2;
+           const uint16_t *bias, uint16_t *y, int64_t rows, int64_t n_dim, int64_t k_dim,
+           int amx) {
+    const int64_t pairs = (k_dim + 1) / 2, count = (n_dim + PANEL - 1) / PANEL;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    const int64_t padded_rows =
+        amx && rows > AMX_ROWS ? (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS : rows;
+#else
+    const int64_t padded_rows = rows;
+    amx = 0;
+#endif
+    if (!rows) return 0;
+    const int copy = k_dim % 2 || padded_rows != rows;
+    uint16_t *padded = copy ? calloc((size_t)(padded_rows * pairs * 2), sizeof *padded) : NULL;
+    char *configured = amx ? calloc((size_t)(1 + (helpers ? helpers->helpers : 0)), 1) : NULL;
+    if ((copy && !padded) || (amx && !configured)) {
+        free(padded);
+        free(configured);
+        return 2;
+    }
+    if (copy) {
         for (int64_t r = 0; r < rows; r++)
             memcpy(padded + r * pairs * 2, x + r * k_dim, (size_t)k_dim * sizeof *x);
         x = padded;
     }
-    const job j = {(const uint32_t *)x, (const uint32_t *)panels, bias, y, rows, n_dim, pairs};
-    pool_run(helpers, panel_rows, &j, (n_dim + PANEL - 1) / PANEL);
+    const job j = {(const uint32_t *)x, (const uint32_t *)panels, bias, y,
+                   rows, n_dim, pairs, configured};
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx) {
+        pool_run(helpers, amx_panel_rows, &j, count);
+        _tile_release(); /* the caller's thread; a pool's helpers run only these kernels */
+    } else
+#endif
+        pool_run(helpers, panel_rows, &j, count);
     free(padded);
+    free(configured);
     return 0;
 }
 
@@ -254,9 +367,13 @@ static void panel_rows(const void *arg, int64_t p, int worker) {
    NULL. 0: done; 2: out of memory. Up to 2 rows read a panel in one pass, all its outputs at
    once; more go over it in tiles of rows and 16 outputs, from WIDE_ROWS rows on widened once
    into float32. */
+int amx_ready(void) { return 0; }
+
 int linear(thread_pool *helpers, const uint16_t *x, const uint16_t *panels,
-           const uint16_t *bias, uint16_t *y, int64_t rows, int64_t n_dim, int64_t k_dim) {
+           const uint16_t *bias, uint16_t *y, int64_t rows, int64_t n_dim, int64_t k_dim,
+           int amx) {
     const int wide = rows >= WIDE_ROWS;
+    (void)amx;
     const int64_t workers = 1 + (helpers ? helpers->helpers : 0);
     float *xs = malloc((size_t)(rows * k_dim) * sizeof *xs);
     float *s = wide ? aligned_alloc(32, (size_t)(workers * k_dim * PANEL) * sizeof *s) : NULL;

@@ -35,9 +35,11 @@ SOURCE = Path(__file__).with_name("bf16_linear.c")
 
 class Bf16Kernel:
     """The loaded kernel: packs weights, multiplies rows by them on `threads` threads (the
-    caller and a pool of helpers, workers/engine/pool.h); the results do not depend on it."""
+    caller and a pool of helpers, workers/engine/pool.h); the results do not depend on it.
+    `amx`: on the CPU's tile unit where it has one and Linux grants it (every call then,
+    whatever its rows, so a row's result still does not depend on the rows beside it)."""
 
-    def __init__(self, library: ctypes.CDLL, threads: int = 1):
+    def __init__(self, library: ctypes.CDLL, threads: int = 1, amx: bool = True):
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         self._elements = library.panel_elements
         self._elements.restype, self._elements.argtypes = size, [size, size]
@@ -45,17 +47,22 @@ class Bf16Kernel:
         self._pack.restype, self._pack.argtypes = None, [pointer, pointer, size, size]
         self._linear = library.linear
         self._linear.restype = ctypes.c_int
-        self._linear.argtypes = [pointer] * 5 + [size] * 3
+        self._linear.argtypes = [pointer] * 5 + [size] * 3 + [ctypes.c_int]
+        self.amx = amx and bool(library.amx_ready())
         self.threads = max(1, threads)
         self.pool = native.Pool(library, self.threads - 1)  # the compiled attention's too
 
     @classmethod
     def load(
-        cls, cache_dir: Path, threads: int = 1, extra_flags: tuple[str, ...] = ()
+        cls,
+        cache_dir: Path,
+        threads: int = 1,
+        extra_flags: tuple[str, ...] = (),
+        amx: bool = True,
     ) -> Bf16Kernel:
         """Builds (once per machine) and loads the kernel; raises OSError or
         CalledProcessError where it cannot. `extra_flags` (tests) narrow the target CPU."""
-        return cls(native.load(SOURCE, cache_dir, extra_flags), threads)
+        return cls(native.load(SOURCE, cache_dir, extra_flags), threads, amx)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         # weight: (N, K) bfloat16 -> the kernel's panels, flat
@@ -75,7 +82,15 @@ class Bf16Kernel:
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         bias_ptr = None if bias is None else bias.data_ptr()
         status = self._linear(
-            self.pool.handle, x.data_ptr(), panels.data_ptr(), bias_ptr, y.data_ptr(), rows, n, k
+            self.pool.handle,
+            x.data_ptr(),
+            panels.data_ptr(),
+            bias_ptr,
+            y.data_ptr(),
+            rows,
+            n,
+            k,
+            self.amx,
         )
         if status:
             raise MemoryError("the bfloat16 linear kernel could not allocate its scratch")
@@ -100,13 +115,13 @@ class Bf16Linear(nn.Module):
 
 
 def bf16_kernel(
-    dtype: torch.dtype, device: torch.device, cache_dir: Path, threads: int = 1
+    dtype: torch.dtype, device: torch.device, cache_dir: Path, threads: int = 1, amx: bool = True
 ) -> Bf16Kernel | None:
     """The kernel for bfloat16 layers on the CPU, or None (saying why where it does not build)."""
     if dtype != torch.bfloat16 or device.type != "cpu":
         return None
     try:
-        return Bf16Kernel.load(cache_dir, threads)
+        return Bf16Kernel.load(cache_dir, threads, amx=amx)
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", None) or error
         log.warning("keeping torch's bfloat16 linear layers: the kernel did not build: %s", detail)

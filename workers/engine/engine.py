@@ -72,6 +72,8 @@ class EngineConfig:
     # threads of the compiled bfloat16 kernel, shared with the compiled attention beside it;
     # 0 = torch's (torch.get_num_threads())
     kernel_threads: int = 0
+    # the bfloat16 kernel on the CPU's AMX tile unit where it has one (engine/bf16_linear.py)
+    amx: bool = True
     # share full KV blocks between sessions by their tokens (workers/engine/prefix_cache.py);
     # never for an EAGLE head, whose keys and values also depend on the states it is fed
     prefix_caching: bool = True
@@ -121,8 +123,15 @@ class Engine:
         kernels = config.cache_dir or default_cache_dir()  # where compiled kernels are cached
         device = torch.device(config.device)
         threads = config.kernel_threads or torch.get_num_threads()
-        kernel = bf16_kernel(dtype, device, kernels, threads) if config.pack_weights else None
+        kernel = (
+            bf16_kernel(dtype, device, kernels, threads, config.amx)
+            if config.pack_weights
+            else None
+        )
         pool = None if kernel is None else kernel.pool  # the attention shares its threads
+        if kernel is not None:
+            how = "AMX tiles" if kernel.amx else "vector instructions"
+            log.info("bfloat16 kernel: %s on %d threads", how, kernel.threads)
         compiled = compiled_attention(
             config.attention, device, dtype, shape.head_dim, kernels, pool
         )

@@ -100,6 +100,7 @@ def main(argv: list[str]) -> None:
             dtype=s.dtype,
             attention=s.attention,
             kernel_threads=s.kernel_threads,
+            amx=s.amx,
             max_sessions=1,
             max_seq_len=s.max_seq_len,
             cache_dir=s.model_cache,
