@@ -59,8 +59,8 @@ class EngineOptions(BaseSettings):
         True,
         description="the compiled bfloat16 kernel on the CPU's AMX tile unit where it has one "
         "and Linux grants it (Intel Xeon from Sapphire Rapids on: trees and prompts 2-3x "
-        "faster); false: its AVX512_BF16 instructions. The two round differently: bfloat16 "
-        "text can differ between them",
+        "faster); --no-amx: its AVX512_BF16 instructions. The two round differently: "
+        "bfloat16 text can differ between them",
     )
     max_seq_len: int = Field(2048, ge=2, description="most tokens per session")
     model_cache: Path | None = Field(

@@ -92,9 +92,16 @@ def test_each_row_is_set_against_speculation_off_of_its_dtype_and_kernel_threads
     for row, config in configs.items():
         off = configs[report.baseline(row)]
         assert off.draft == "none" and off.prefix_caching
-        assert (off.dtype, off.kernel_threads) == (config.dtype, config.kernel_threads), row
+        assert (off.dtype, off.kernel_threads, off.amx) == (
+            config.dtype,
+            config.kernel_threads,
+            config.amx,
+        ), row
     assert configs["ngram-tree-adaptive-bf16-cores"].kernel_threads == len(os.sched_getaffinity(0))
     assert "kernel on" in configs["off-bf16-cores"].describe()
+    assert configs["off-bf16-cores-noamx"].describe().endswith("AMX off")
+    numerics = {c.numerics() for c in configs.values()}  # one text reference for each
+    assert numerics == {"float32", "bfloat16", "bfloat16, AMX off"}
     s = BenchSettings(streams="1,8", sweep_rows="off-bf16,ngram-tree-adaptive-bf16")
     run = Run(s, "test machine", "", (0.5, 0.5, 0.5))
     for row, tokens in (("off-bf16", 20), ("ngram-tree-adaptive-bf16", 30)):

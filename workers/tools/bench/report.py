@@ -79,12 +79,13 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-OFF_ROWS = ("off-bf16-cores", "off-bf16", "off")  # speculation off per dtype and kernel threads
+# speculation off per dtype, kernel threads and kernel arithmetic (the longest suffix first)
+OFF_ROWS = ("off-bf16-cores-noamx", "off-bf16-cores", "off-bf16", "off")
 
 
 def baseline(row: str) -> str:
-    """The speculation-off row that `row` is set against: the one of its dtype and kernel
-    threads, whose names end as its own does (suite.serve_configs)."""
+    """The speculation-off row that `row` is set against: the one of its dtype, kernel
+    threads and kernel arithmetic, whose names end as its own does (suite.serve_configs)."""
     return next(off for off in OFF_ROWS if row.endswith(off.removeprefix("off")))
 
 

@@ -48,6 +48,7 @@ class ServeConfig:
     min_match: int = MIN_MATCH  # the n-gram draft's shortest match (--ngram-min-match)
     dtype: str = "float32"  # the workers' --dtype
     kernel_threads: int = 0  # the workers' --kernel-threads; 0 = their torch threads
+    amx: bool = True  # the workers' --amx: the bfloat16 kernel on the AMX tile unit if any
 
     def describe(self) -> str:
         extras = ("" if self.prefix_caching else ", no prefix caching") + (
@@ -55,7 +56,14 @@ class ServeConfig:
         )
         if self.kernel_threads:
             extras += f", kernel on {self.kernel_threads} threads"
+        if not self.amx:
+            extras += ", AMX off"
         return self.speculation() + extras
+
+    def numerics(self) -> str:
+        """What the workers' greedy text depends on: the dtype, and in bfloat16 whether the
+        kernel runs on the AMX tile unit (the two round differently)."""
+        return self.dtype if self.dtype == "float32" or self.amx else f"{self.dtype}, AMX off"
 
     def speculation(self) -> str:
         if self.draft == "none":
@@ -165,6 +173,7 @@ class Serve(ServeProcess):
         args += ["--adaptive-knee-tokens", str(knee_tokens)]
         args += ["--ngram-min-match", str(config.min_match)]
         args += ["--dtype", config.dtype, "--kernel-threads", str(config.kernel_threads)]
+        args += ["--amx" if config.amx else "--no-amx"]
         if not config.prefix_caching:
             args += ["--no-worker-prefix-caching"]
         env = dict(os.environ)

@@ -24,6 +24,11 @@ Rows (pick with --rows):
   off-bf16-cores, ngram-tree-adaptive-bf16-cores
                         the bfloat16 rows with the kernel on every core (--kernel-threads),
                         the rest of the workers on --worker-threads
+  off-bf16-cores-noamx, ngram-tree-adaptive-bf16-cores-noamx
+                        the same with the kernel off the AMX tile unit (--no-amx): on a CPU
+                        with one, what its vector instructions give (elsewhere the same);
+                        their texts are checked against the first such row's (the two
+                        round differently)
 
 Every SpecSplit row starts a `specsplit serve` of its own for each point it
 measures (a workload at some streams), so that no point finds another's
@@ -161,6 +166,17 @@ def serve_configs(s: BenchSettings) -> dict[str, ServeConfig]:
             dtype="bfloat16",
             kernel_threads=cores,
         ),
+        ServeConfig(
+            "off-bf16-cores-noamx", "none", dtype="bfloat16", kernel_threads=cores, amx=False
+        ),
+        ServeConfig(
+            "ngram-tree-adaptive-bf16-cores-noamx",
+            *("ngram", nd, 2, nb),
+            adaptive=True,
+            dtype="bfloat16",
+            kernel_threads=cores,
+            amx=False,
+        ),
     ]
     return {c.name: c for c in configs}
 
@@ -189,14 +205,15 @@ class Run:
     draft: str  # the model draft, in words
     started_load: tuple[float, float, float]
     results: list[Result] = field(default_factory=list)
-    # "workload dtype" -> conversation key -> text
+    # "workload numerics" -> conversation key -> text
     references: dict[str, dict[int, str]] = field(default_factory=dict)
     seconds: float = 0.0
 
-    def check(self, workload: str, timed: list[Timed], dtype: str = "float32") -> bool:
-        """Texts equal to the reference of the row's dtype (a bfloat16 target's greedy text is
-        its own); the first row of that dtype to run a conversation sets it."""
-        reference = self.references.setdefault(f"{workload} {dtype}", {})
+    def check(self, workload: str, timed: list[Timed], numerics: str = "float32") -> bool:
+        """Texts equal to the reference of the row's numerics (ServeConfig.numerics: a
+        bfloat16 target's greedy text is its own); the first such row to run a conversation
+        sets it."""
+        reference = self.references.setdefault(f"{workload} {numerics}", {})
         same = True
         for t in timed:
             expected = reference.setdefault(t.key, t.text)
@@ -346,7 +363,7 @@ def measure(
         workload,
         n,
         Figures.of(timed, wall),
-        run.check(workload, timed, config.dtype),
+        run.check(workload, timed, config.numerics()),
         p50,
         load_average()[0],
     )
