@@ -1,19 +1,21 @@
 /* bfloat16 linear layers for the CPU engine: see workers/engine/bf16_linear.py.
 
    y = x W^T + b for bfloat16 x (R, K), W (N, K) and b (N,), W packed once into panels of
-   PANEL outputs. Every output is one chain of multiply-adds over k in order, in float32,
-   whichever tile computes it, so a row's result never depends on the rows beside it; it is
-   rounded to bfloat16 (to nearest, ties to even) once, after the bias.
+   PANEL outputs. Every output is one chain of multiply-adds over k in order, in float32
+   (on the tile unit: of steps of 16 pairs of k, below), whichever tile computes it, so a
+   row's result never depends on the rows beside it; it is rounded to bfloat16 (to nearest,
+   ties to even) once, after the bias.
 
    Builds, picked by the CPU the library is compiled for:
    - AVX512_BF16: panels (K / 2, PANEL, 2); each step adds the products of two consecutive
      k (vdpbf16ps), weights and inputs read as bfloat16.
    - AVX512_BF16 and AMX (Intel Xeon from Sapphire Rapids on), where Linux grants the tile
      state: the same panels, 16 pairs of k at a time by the tile unit (tdpbf16ps: rows of x
-     against 16 pairs of 16 outputs, its sums in an order of the CPU's own), the pairs left
-     over (K / 2 not a multiple of 16) added as above. Every row count goes this way once
-     the kernel is loaded with it, and a row's sums never depend on the other rows of its
-     tile, so a row's result still never depends on the rows beside it.
+     against 16 pairs of 16 outputs, its sums within a step in an order of the CPU's own),
+     the pairs left over (K / 2 not a multiple of 16) added as above. Every call, whatever
+     its rows, goes this way once the kernel is loaded with it, and a row's sums never
+     touch the other rows of its tile. Decode steps stream the weights as fast as the
+     vector instructions do; trees and prompts are 2-4x faster.
    - AVX2 and FMA: panels (K, PANEL); weights and inputs widened exactly to float32, one
      fused multiply-add per k.
    A decode step's few rows stream the panels once (memory-bound); more rows reuse each
