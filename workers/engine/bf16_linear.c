@@ -50,6 +50,27 @@ static inline void finish(const float *acc, int count, const uint16_t *bias, int
 #define RT 6 /* rows a tile computes: 6 x 4 accumulators and 4 weight registers of 32 */
 #define VECS (PANEL / 16)
 
+/* `finish` for a panel's PANEL sums, 16 at a time: the same bits */
+static inline void finish_panel(const float *acc, const uint16_t *bias, int64_t n0,
+                                int64_t n_dim, uint16_t *y) {
+    const __m512i lsb = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+    for (int v = 0; v < VECS && n0 + v * 16 < n_dim; v++) {
+        const int64_t n = n0 + v * 16;
+        const __mmask16 live = n_dim - n >= 16 ? 0xffff : (__mmask16)((1u << (n_dim - n)) - 1);
+        __m512 sum = _mm512_loadu_ps(acc + v * 16);
+        if (bias) {
+            const __m512i b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, bias + n));
+            sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
+        }
+        const __m512i bits = _mm512_castps_si512(sum);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), lsb);
+        __m512i out = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(half, odd)), 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q);
+        out = _mm512_mask_mov_epi32(out, nan, _mm512_set1_epi32(0x7fc0));
+        _mm256_mask_storeu_epi16(y + n, live, _mm512_cvtepi32_epi16(out));
+    }
+}
+
 int64_t panel_elements(int64_t n_dim, int64_t k_dim) {
     return (n_dim + PANEL - 1) / PANEL * ((k_dim + 1) / 2) * PANEL * 2;
 }
@@ -100,7 +121,7 @@ static void linear_rows(const uint32_t *x, const uint32_t *panels, const uint16_
     for (int i = 0; i < nr; i++) {
         float sums[PANEL];
         for (int v = 0; v < VECS; v++) _mm512_storeu_ps(sums + v * 16, acc[i][v]);
-        finish(sums, PANEL, bias, p * PANEL, n_dim, y + (r0 + i) * n_dim);
+        finish_panel(sums, bias, p * PANEL, n_dim, y + (r0 + i) * n_dim);
     }
 }
 
@@ -192,7 +213,7 @@ static void amx_panel_rows(const void *arg, int64_t p, int worker) {
                         (__m512bh)_mm512_loadu_si512(panel + kk * PANEL + v * 16));
                 _mm512_store_ps(sums[i] + v * 16, acc);
             }
-            finish(sums[i], PANEL, j->bias, p * PANEL, j->n_dim, j->y + (r0 + i) * j->n_dim);
+            finish_panel(sums[i], j->bias, p * PANEL, j->n_dim, j->y + (r0 + i) * j->n_dim);
         }
     }
 }
