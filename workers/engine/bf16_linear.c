@@ -279,6 +279,25 @@ static inline __m256 widen(const uint16_t *at) {
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)at)), 16));
 }
 
+/* `finish` for a panel's PANEL sums, 8 at a time where 8 outputs are left: the same bits */
+static inline void finish_panel(const float *acc, const uint16_t *bias, int64_t n0,
+                                int64_t n_dim, uint16_t *y) {
+    const __m256i lsb = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+    int i = 0;
+    for (; i + 8 <= PANEL && n0 + i + 8 <= n_dim; i += 8) {
+        __m256 sum = _mm256_loadu_ps(acc + i);
+        if (bias) sum = _mm256_add_ps(sum, widen(bias + n0 + i));
+        const __m256i bits = _mm256_castps_si256(sum);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), lsb);
+        __m256i out = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(half, odd)), 16);
+        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(sum, sum, _CMP_UNORD_Q));
+        out = _mm256_blendv_epi8(out, _mm256_set1_epi32(0x7fc0), nan);
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(out, out), 0x08);
+        _mm_storeu_si128((__m128i *)(y + n0 + i), _mm256_castsi256_si128(packed));
+    }
+    finish(acc + i, PANEL - i, bias, n0 + i, n_dim, y);
+}
+
 int64_t panel_elements(int64_t n_dim, int64_t k_dim) {
     return (n_dim + PANEL - 1) / PANEL * k_dim * PANEL;
 }
@@ -371,7 +390,7 @@ static void panel_rows(const void *arg, int64_t p, int worker) {
     if (j->rows <= 2) {
         for (int64_t r = 0; r < j->rows; r++) {
             row_panel(j->xs + r * k_dim, panel, k_dim, sums[0]);
-            finish(sums[0], PANEL, j->bias, p * PANEL, j->n_dim, j->y + r * j->n_dim);
+            finish_panel(sums[0], j->bias, p * PANEL, j->n_dim, j->y + r * j->n_dim);
         }
         return;
     }
@@ -382,7 +401,7 @@ static void panel_rows(const void *arg, int64_t p, int worker) {
         const int nr = j->rows - r0 < RT ? (int)(j->rows - r0) : RT;
         tiles(j->xs, s ? (const void *)s : panel, j->wide, k_dim, r0, nr, sums);
         for (int i = 0; i < nr; i++)
-            finish(sums[i], PANEL, j->bias, p * PANEL, j->n_dim, j->y + (r0 + i) * j->n_dim);
+            finish_panel(sums[i], j->bias, p * PANEL, j->n_dim, j->y + (r0 + i) * j->n_dim);
     }
 }
 
