@@ -80,14 +80,17 @@ async def test_worker_command_serves_and_drains_on_sigterm():
             await proc.wait()
 
 
-async def test_a_bfloat16_worker_runs_the_kernel_on_every_thread_and_torch_on_one(tmp_path):
-    if bf16_kernel(torch.bfloat16, torch.device("cpu"), tmp_path) is None:
+@pytest.mark.parametrize("amx", [True, False])
+async def test_a_bfloat16_worker_runs_the_kernel_on_every_thread_and_torch_on_one(tmp_path, amx):
+    kernel = bf16_kernel(torch.bfloat16, torch.device("cpu"), tmp_path)
+    if kernel is None:
         pytest.skip("the bfloat16 kernel does not build here")
+    how = b"AMX tiles" if amx and kernel.amx else b"vector instructions"  # --no-amx: vector
     target = save_tiny_target(tmp_path / "target")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "workers.tools.cli", "worker", "target", "--model", str(target),
         "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-        "--insecure", "--health-port", "0",
+        "--insecure", "--health-port", "0", "--amx" if amx else "--no-amx",
         cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "2"}, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -95,6 +98,7 @@ async def test_a_bfloat16_worker_runs_the_kernel_on_every_thread_and_torch_on_on
         while b"serving" not in (line := await asyncio.wait_for(proc.stderr.readline(), 120)):
             assert line, f"the worker exited: {b''.join(said)!r}"
             said.append(line)
+        assert any(b"bfloat16 kernel: " + how + b" on 2 threads" in x for x in said)
         assert any(b"torch on 1 thread beside the bfloat16 kernel's 2" in x for x in said)
         tasks = Path(f"/proc/{proc.pid}/task")
         names = [(task / "comm").read_text().strip() for task in tasks.iterdir()]
