@@ -68,6 +68,19 @@ static inline float lane_sum(v8f a) {
     return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
+/* lane_sum of each of LANES vectors, as one vector: the same sums in the same order */
+static inline v8f lane_sums(const v8f d[LANES]) {
+    v8f t[4], u[2]; /* t: each vector's a_i + a_(i+4), two vectors a t; u: then their pairs */
+    for (int i = 0; i < 4; i++)
+        t[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(d[2 * i], d[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 2, 4, 6, 8, 10, 12, 14) +
+               __builtin_shufflevector(t[2 * i], t[2 * i + 1], 1, 3, 5, 7, 9, 11, 13, 15);
+    return __builtin_shufflevector(u[0], u[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(u[0], u[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
 /* e^x for x <= 0 (Cephes' expf: 2^n e^r, |r| <= ln2 / 2, degree-6 polynomial), the same
    arithmetic in every lane; below -87 it gives e^-87 instead of a subnormal. */
 static inline v8f exp8(v8f x) {
@@ -111,17 +124,23 @@ static inline __attribute__((always_inline)) void attend_heads(
         top[r] = -__builtin_inff();
         total[r] = splat(0.0f);
     }
-    for (int64_t j = 0; j < count; j++) { /* scores */
-        v8f dot[GROUP];
-        for (int r = 0; r < rep; r++) dot[r] = splat(0.0f);
-        for (int64_t i = 0; i < vecs; i++) {
-            const v8f key = load(k, pos[j] * dim + i * LANES, bf16);
-            for (int r = 0; r < rep; r++) dot[r] += qs[r][i] * key;
+    for (int64_t j0 = 0; j0 < count; j0 += LANES) { /* scores, LANES keys at a time */
+        const int64_t keys = count - j0 < LANES ? count - j0 : LANES;
+        v8f dots[GROUP][LANES];
+        for (int64_t jj = 0; jj < LANES; jj++) {
+            v8f dot[GROUP];
+            for (int r = 0; r < rep; r++) dot[r] = splat(0.0f);
+            for (int64_t i = 0; jj < keys && i < vecs; i++) {
+                const v8f key = load(k, pos[j0 + jj] * dim + i * LANES, bf16);
+                for (int r = 0; r < rep; r++) dot[r] += qs[r][i] * key;
+            }
+            for (int r = 0; r < rep; r++) dots[r][jj] = dot[r];
         }
         for (int r = 0; r < rep; r++) {
-            const float score = lane_sum(dot[r]);
-            p[r * stride + j] = score;
-            top[r] = score > top[r] ? score : top[r];
+            const v8f scores = lane_sums(dots[r]);
+            *(v8f *)(p + r * stride + j0) = scores;
+            for (int64_t jj = 0; jj < keys; jj++)
+                top[r] = scores[jj] > top[r] ? scores[jj] : top[r];
         }
     }
     for (int r = 0; r < rep; r++) /* p_j = exp(s_j - top); past the count 0 */
