@@ -68,6 +68,24 @@ def test_it_multiplies_like_a_bfloat16_layer(kernel, n, k, bias, rows):
     assert ((y.double() - exact).abs() <= slack + 1e-30).all()
 
 
+@pytest.mark.parametrize("rows", [2, 3, 20])
+def test_an_exact_sum_is_rounded_as_torch_rounds_it(kernel, rows):
+    """Small integers: every product and partial sum is exact in float32, so each output is
+    the exact value (up to 12 bits, ties among them) rounded once; it must be torch's
+    rounding of it to bfloat16 (to nearest, ties to even), bias and panel tails included."""
+    g = torch.Generator().manual_seed(6)
+    n, k = 150, 64  # 150 outputs: a panel's tail of 22
+    w = torch.randint(-8, 9, (n, k), generator=g).bfloat16()  # (N, K)
+    b = torch.randint(-300, 301, (n,), generator=g).bfloat16()  # (N,)
+    x = torch.randint(-8, 9, (rows, k), generator=g).bfloat16()  # (R, K)
+    x[0, 5] = float("nan")  # row 0: NaN everywhere
+    exact = (x.double() @ w.double().T + b.double()).float()  # (R, N) exact in float32
+    y = kernel.linear(x, kernel.pack(w), b, n)  # (R, N) bfloat16
+    assert y[0].isnan().all()
+    assert torch.equal(y[1:].view(torch.int16), exact[1:].bfloat16().view(torch.int16))
+    assert (exact[1:].abs() > 256).any()  # values that had to be rounded
+
+
 @pytest.mark.parametrize(("n", "k"), [(200, 96), (37, 61)])
 def test_a_row_is_the_same_bits_whatever_rows_share_the_call(kernel, n, k):
     w, b = weights(n, k, bias=True)

@@ -205,7 +205,7 @@ static void amx_panel_rows(const void *arg, int64_t p, int worker) {
         _tile_stored(3, sums[0] + 48, PANEL * 4);
         const int nr = j->rows - r0 < AMX_ROWS ? (int)(j->rows - r0) : AMX_ROWS;
         for (int i = 0; i < nr; i++) {
-            for (int v = 0; v < VECS; v++) { /* the pairs left over, as the AVX512 build */
+            for (int v = 0; v < VECS && steps * AMX_PAIRS < pairs; v++) { /* the pairs left */
                 __m512 acc = _mm512_load_ps(sums[i] + v * 16);
                 for (int64_t kk = steps * AMX_PAIRS; kk < pairs; kk++)
                     acc = _mm512_dpbf16_ps(
