@@ -135,15 +135,23 @@ def run_engine_bench(s: EngineBenchSettings) -> str:
 
 
 def forward_table(s: EngineBenchSettings) -> str:
-    """Milliseconds of one native forward per shape, dtype and attention."""
+    """Milliseconds of one native forward per shape, dtype and attention; an engine on the
+    bfloat16 kernel runs it as a worker does (the kernel on every thread, torch on one)."""
     costs = {}
+    threads = torch.get_num_threads()
     for dtype in [d.strip() for d in s.dtypes.split(",") if d.strip()]:
         for attention in [a.strip() for a in s.attentions.split(",") if a.strip()]:
             config = EngineConfig(s.target_model, dtype=dtype, max_sessions=8, attention=attention)
-            costs[dtype, attention] = forward_costs(Engine.load(config))
+            engine = Engine.load(config)
+            engine.torch_beside_kernel()
+            try:
+                costs[dtype, attention] = forward_costs(engine)
+            finally:
+                torch.set_num_threads(threads)
     shapes = list(next(iter(costs.values())))
     lines = [
-        f"One native forward, median ms ({torch.get_num_threads()} torch threads):",
+        f"One native forward, median ms ({threads} torch threads; on the bfloat16 kernel, "
+        f"the kernel on {threads} and torch on one, as in a worker):",
         "",
         "| dtype | attention | " + " | ".join(shapes) + " |",
         "|---|---|" + "---:|" * len(shapes),
