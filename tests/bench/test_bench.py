@@ -10,7 +10,14 @@ import pytest
 from workers.tools.bench import report, suite
 from workers.tools.bench.measure import Figures, Timed, histogram_quantile, percentile
 from workers.tools.bench.serving import ServeConfig, spread_tokens
-from workers.tools.bench.suite import BenchSettings, Result, Run, serve_configs, serve_points
+from workers.tools.bench.suite import (
+    BenchSettings,
+    Result,
+    Run,
+    all_rows,
+    serve_configs,
+    serve_points,
+)
 from workers.tools.bench.workloads import WORKLOADS, messages, warm_up
 
 
@@ -85,6 +92,11 @@ def test_rows_describe_their_configuration():
         configs["ngram-tree-adaptive-bf16"].speculation()
         == configs["ngram-tree-adaptive"].speculation()
     )
+    twin = configs["hybrid-bf16-cores"]  # every SpecSplit row has its bfloat16 twins
+    assert twin.hybrid and (twin.dtype, twin.amx) == ("bfloat16", True) and twin.kernel_threads
+    everything = all_rows(configs)  # all: each float32 row, and off and the default in bf16
+    assert "hybrid" in everything and "hybrid-bf16-cores" not in everything
+    assert {"off-bf16-cores-noamx", "ngram-tree-adaptive-bf16-cores-noamx"} <= set(everything)
 
 
 def test_each_row_is_set_against_speculation_off_of_its_dtype_and_kernel_threads():

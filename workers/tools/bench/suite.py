@@ -17,15 +17,13 @@ Rows (pick with --rows):
   model-tree-overlap    model draft, adaptive tree, overlapped loop
   hybrid                model draft merged with the n-gram draft each round (--hybrid-draft),
                         adaptive, the n-gram rows' depth and budget, the model rows' branching
-  off-bf16, ngram-tree-adaptive-bf16
-                        off and the default with the workers in bfloat16 (--dtype bfloat16);
+  ROW-bf16              any SpecSplit row above with its workers in bfloat16 (--dtype
+                        bfloat16), e.g. off-bf16, ngram-tree-adaptive-bf16, hybrid-bf16;
                         their texts are checked against the first bfloat16 row's, every
                         other row's against hf-generate's (or the first float32 row's)
-  off-bf16-cores, ngram-tree-adaptive-bf16-cores
-                        the bfloat16 rows with the kernel on every core (--kernel-threads),
-                        the rest of the workers on --worker-threads
-  off-bf16-cores-noamx, ngram-tree-adaptive-bf16-cores-noamx
-                        the same with the kernel off the AMX tile unit (--no-amx): on a CPU
+  ROW-bf16-cores        the same with the kernel on every core (--kernel-threads), the rest
+                        of the workers on --worker-threads
+  ROW-bf16-cores-noamx  the same with the kernel off the AMX tile unit (--no-amx): on a CPU
                         with one, what its vector instructions give (elsewhere the same);
                         their texts are checked against the first such row's (the two
                         round differently)
@@ -60,7 +58,7 @@ import gc
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -142,7 +140,7 @@ def serve_configs(s: BenchSettings) -> dict[str, ServeConfig]:
     nd, nb = s.ngram_depth, s.ngram_budget
     md, mk, mb = s.model_depth, s.model_branching, s.model_budget
     cores = len(os.sched_getaffinity(0))
-    configs = [
+    base = [
         ServeConfig("off", "none"),
         ServeConfig("off-no-prefix-cache", "none", prefix_caching=False),
         ServeConfig("ngram-chain", "ngram", nb, 1, nb),
@@ -154,31 +152,27 @@ def serve_configs(s: BenchSettings) -> dict[str, ServeConfig]:
         ServeConfig("model-tree-adaptive", "model", md, mk, mb, adaptive=True),
         ServeConfig("model-tree-overlap", "model", md, mk, mb, adaptive=True, overlap=True),
         ServeConfig("hybrid", "model", nd, mk, nb, adaptive=True, hybrid=True),
-        ServeConfig("off-bf16", "none", dtype="bfloat16"),
-        ServeConfig(
-            "ngram-tree-adaptive-bf16", "ngram", nd, 2, nb, adaptive=True, dtype="bfloat16"
-        ),
-        ServeConfig("off-bf16-cores", "none", dtype="bfloat16", kernel_threads=cores),
-        ServeConfig(
-            "ngram-tree-adaptive-bf16-cores",
-            *("ngram", nd, 2, nb),
-            adaptive=True,
-            dtype="bfloat16",
-            kernel_threads=cores,
-        ),
-        ServeConfig(
-            "off-bf16-cores-noamx", "none", dtype="bfloat16", kernel_threads=cores, amx=False
-        ),
-        ServeConfig(
-            "ngram-tree-adaptive-bf16-cores-noamx",
-            *("ngram", nd, 2, nb),
-            adaptive=True,
-            dtype="bfloat16",
-            kernel_threads=cores,
-            amx=False,
-        ),
     ]
-    return {c.name: c for c in configs}
+    numerics = {  # the bfloat16 twins of every row (report.baseline pairs them by suffix)
+        "-bf16": dict(dtype="bfloat16"),
+        "-bf16-cores": dict(dtype="bfloat16", kernel_threads=cores),
+        "-bf16-cores-noamx": dict(dtype="bfloat16", kernel_threads=cores, amx=False),
+    }
+    twins = [
+        replace(c, name=c.name + suffix, **changes)
+        for suffix, changes in numerics.items()
+        for c in base
+    ]
+    return {c.name: c for c in base + twins}
+
+
+def all_rows(configs: dict[str, ServeConfig]) -> list[str]:
+    """--rows all: the peers, every float32 row, and speculation off and the default in each
+    bfloat16 variant (the other twins on request)."""
+    kept = ("off-bf16", "ngram-tree-adaptive-bf16")
+    return list(HF_ROWS) + [
+        r for r, c in configs.items() if c.dtype == "float32" or r.startswith(kept)
+    ]
 
 
 @dataclass
@@ -226,7 +220,7 @@ def run_suite(s: BenchSettings) -> Run:
 
     started = time.perf_counter()
     configs = serve_configs(s)
-    rows = list(HF_ROWS) + list(configs) if s.rows == "all" else s.names(s.rows)
+    rows = all_rows(configs) if s.rows == "all" else s.names(s.rows)
     unknown = [r for r in rows if r not in HF_ROWS and r not in configs]
     if unknown:
         raise SystemExit(f"unknown rows: {', '.join(unknown)}")
