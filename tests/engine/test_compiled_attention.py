@@ -172,3 +172,69 @@ def test_the_compiled_rms_norm_is_the_torch_one_and_each_row_its_own(tmp_path, d
     assert all(
         torch.equal(kernel.rms_norm(x[i : i + 1], weight, 1e-5)[0], normed[i]) for i in range(5)
     )
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    """One kernel cache for the tests below: each library is built once."""
+    return tmp_path_factory.mktemp("kernels")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+    return torch.equal(a.view(ints), b.view(ints))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [64, 20])
+def test_the_fused_residual_add_and_norm_are_torch_add_then_the_norm(kernels, dtype, width):
+    gen = torch.Generator().manual_seed(2)
+    x, delta = ((torch.randn(5, width, generator=gen) * 3).to(dtype) for _ in range(2))
+    weight = torch.rand(width, generator=gen).to(dtype) + 0.5
+    kernel = compiled_attention("compiled", CPU, dtype, 64, kernels)
+    total, normed = kernel.add_rms_norm(x, delta, weight, 1e-5)
+    assert same_bits(total, x + delta)
+    assert same_bits(normed, kernel.rms_norm(x + delta, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1536, 20])  # 20: a tail past the kernel's 8 lanes
+def test_swiglu_is_torchs_silu_times_up_and_each_row_its_own(kernels, dtype, width):
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(9, 2 * width, generator=gen) * 4).to(dtype)
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 80.0, -80.0, 1e-30, -1e-30, 89.0, -86.0])
+    kernel = compiled_attention("compiled", CPU, dtype, 64, kernels)
+    out = kernel.swiglu(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    if dtype == torch.bfloat16:  # silu's float32 differs from torch's by an ulp or two at
+        # most, which almost never moves a bfloat16 rounding
+        assert (out.view(torch.int16) != expected.view(torch.int16)).float().mean() < 1e-3
+        torch.testing.assert_close(out, expected, atol=0, rtol=8e-3)
+    else:
+        torch.testing.assert_close(out, expected, atol=1e-30, rtol=4e-7)
+    assert all(same_bits(kernel.swiglu(gate_up[i : i + 1])[0], out[i]) for i in range(9))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_blocks_give_the_bits_of_the_blocks_one_by_one(kernels, kind, threads):
+    hf = tiny_hf_model(kind, seed=4).to(torch.bfloat16)
+    config = EngineConfig(
+        model="tiny", max_sessions=4, max_seq_len=128, cache_dir=kernels, kernel_threads=threads
+    )
+    engine = Engine.from_hf(hf, None, config, "tiny")
+    if engine.model.compiled_blocks is None:
+        pytest.skip("no bfloat16 kernel builds here")
+    prompt = [(5 * i + 3) % 90 for i in range(40)]
+    rounds = [
+        [SlotInput(0, 0, list(range(-1, 39)), prompt), SlotInput(1, 0, [-1, 0, 1], [4, 5, 6])],
+        [SlotInput(0, 40, [-1, 0, 0, 1], [7, 8, 9, 10], 4), SlotInput(1, 3, [-1], [11])],
+    ]
+    outputs = []
+    for fused in (engine.model.compiled_blocks, None):
+        engine.model.compiled_blocks = fused
+        outputs.append([engine.run(rows) for rows in rounds])  # each pass rewrites the keys
+    for fused, one_by_one in zip(*outputs, strict=True):
+        assert all(map(same_bits, fused.logits, one_by_one.logits))
+        assert all(map(same_bits, fused.hidden, one_by_one.hidden))

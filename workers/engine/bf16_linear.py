@@ -48,6 +48,7 @@ class Bf16Kernel:
         self._linear = library.linear
         self._linear.restype = ctypes.c_int
         self._linear.argtypes = [pointer] * 5 + [size] * 3 + [ctypes.c_int]
+        self.linear_address = ctypes.cast(self._linear, ctypes.c_void_p).value  # for C callers
         self.amx = amx and bool(library.amx_ready())
         self.threads = max(1, threads)
         self.pool = native.Pool(library, self.threads - 1)  # the compiled attention's too

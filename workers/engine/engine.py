@@ -21,7 +21,7 @@ from workers.engine.eagle import EagleHead, draft_kind, load_fuse
 from workers.engine.kv_cache import PagedKVCache
 from workers.engine.llama import LlamaShape, NativeLlama
 from workers.engine.packed import pack_linears
-from workers.engine.paged_attention import compiled_attention
+from workers.engine.paged_attention import CompiledBlocks, compiled_attention
 from workers.protocol import WorkerInfo
 from workers.settings import EMBEDDED_MODEL, Attention
 
@@ -141,6 +141,8 @@ class Engine:
             model = EagleHead(hf_model, fuse, compiled).eval()
         if config.pack_weights:
             pack_linears(model, kernel)
+        if kernel is not None and compiled is not None:  # bfloat16: the kernel packed them
+            model.compiled_blocks = CompiledBlocks(compiled, kernel, model)
         context = min(config.max_seq_len, shape.max_positions)
         room = context + config.max_tree_nodes  # cache columns one session may reach
         cache = PagedKVCache(

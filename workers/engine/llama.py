@@ -159,7 +159,10 @@ class Block(nn.Module):
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         # h: (N, E) -> (N, E): SwiGLU, down(silu(gate(h)) * up(h))
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # (N, F) each
+        gate_up = self.gate_up_proj(h)  # (N, 2F)
+        if self.compiled is not None:
+            return self.down_proj(self.compiled.swiglu(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # (N, F) each
         return self.down_proj(F.silu(gate) * up)
 
     def attention(self, x, cos, sin, cache: PagedKVCache, batch: ForwardBatch):
@@ -191,16 +194,25 @@ class Block(nn.Module):
         out = attend(q, shared, tail, cache.block_size)  # (G, Hkv, rep, T, D)
         return out.permute(0, 3, 1, 2, 4).reshape(-1, s.num_heads, s.head_dim)
 
-    def normed(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # x: (N, E) -> (N, E)
-        if self.compiled is not None:
-            return self.compiled.rms_norm(x, weight, self.shape.rms_norm_eps)
-        return rms_norm(x, weight, self.shape.rms_norm_eps)
+    def add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x, delta: (N, E) -> x + delta (x where delta is None) and its RMS norm, (N, E) each
+        eps = self.shape.rms_norm_eps
+        if self.compiled is None:
+            x = x if delta is None else x + delta
+            return x, rms_norm(x, weight, eps)
+        if delta is None:
+            return x, self.compiled.rms_norm(x, weight, eps)
+        return self.compiled.add_rms_norm(x, delta, weight, eps)
 
-    def forward(self, x, cos, sin, cache: PagedKVCache, batch: ForwardBatch):
-        # x: (N, E) -> (N, E)
-        x = x + self.attention(self.normed(x, self.norm_attn), cos, sin, cache, batch)
-        return x + self.mlp(self.normed(x, self.norm_mlp))
+    def forward(self, x, delta, cos, sin, cache: PagedKVCache, batch: ForwardBatch):
+        # x: (N, E) the residual stream; delta: (N, E) the last block's MLP output, still to
+        # add, or None -> the same two for the next block: each residual add goes with the
+        # norm after it (one pass over the rows where the attention is compiled)
+        x, h = self.add_norm(x, delta, self.norm_attn)
+        x, h = self.add_norm(x, self.attention(h, cos, sin, cache, batch), self.norm_mlp)
+        return x, self.mlp(h)
 
 
 class NativeLlama(nn.Module):
@@ -226,6 +238,9 @@ class NativeLlama(nn.Module):
         self.lm_head = hf_model.lm_head
         self.rotary = Rotary(config)
         self.compiled = compiled  # its batches list each token's keys when set
+        # all blocks in one call (paged_attention.CompiledBlocks), set by the engine where the
+        # model is bfloat16 with packed weights and the compiled attention
+        self.compiled_blocks: Callable | None = None
 
     takes_features = False  # whether its input pairs each token with a target hidden state
 
@@ -254,11 +269,13 @@ class NativeLlama(nn.Module):
     ) -> torch.Tensor:
         """Writes the new tokens' keys/values into the cache; returns the last layer's
         output (N, E), before the final norm. `features` (N, E): see `inputs`."""
-        x = self.inputs(batch, features)  # (N, E)
+        x, delta = self.inputs(batch, features), None  # (N, E); see Block.forward
         cos, sin = self.rotary(batch.positions, x.dtype)  # (N, 1, D) each
+        if self.compiled_blocks is not None:
+            return self.compiled_blocks(x, cos, sin, cache, batch)
         for block in self.blocks:
-            x = block(x, cos, sin, cache, batch)
-        return x
+            x, delta = block(x, delta, cos, sin, cache, batch)
+        return x if delta is None else x + delta
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: (..., E), before the final norm -> (..., V) in float32

@@ -310,31 +310,61 @@ int rope_attend_bf16(thread_pool *helpers, const uint16_t *qkv, const uint16_t *
                        n_tokens, heads, kv_heads, pool, dim, scale, 1);
 }
 
-/* out = weight * (x * rsqrt(mean(x^2) + eps)) row after row of x (R, E), each product
-   rounded to the dtype as transformers' Llama RMS norm rounds it; the mean of squares in
-   float32 over 8 lanes, then the lanes and the last width % 8 in one fixed order. */
+/* x rounded to the dtype in every lane, as `rounded` rounds one */
+static inline v8f rounded8(v8f x, int bf16) {
+    if (!bf16) return x;
+    const v8u bits = (v8u)float_to_bits(x);
+    const v8i nan = (v8i)((bits & 0x7fffffffu) > 0x7f800000u);
+    const v8u near = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    return blend(nan, splat(__builtin_nanf("")), bits_to_float((v8i)near));
+}
+
+/* 8 values from element `at` on, each already of the dtype (bfloat16: exactly) */
+static inline __attribute__((always_inline)) void store8(void *at, int64_t i, v8f x, int bf16) {
+    if (!bf16) {
+        *(v8f_u *)((float *)at + i) = x;
+        return;
+    }
+    const v8u bits = (v8u)float_to_bits(x) >> 16;
+    *(v8h_u *)((uint16_t *)at + i) = __builtin_convertvector(bits, v8h_u);
+}
+
+/* out = weight * (x * rsqrt(mean(x^2) + eps)) for one row of E, each product rounded to the
+   dtype as transformers' Llama RMS norm rounds it; the mean of squares in float32 over 8
+   lanes, then the lanes and the last width % 8 in one fixed order. */
+static inline __attribute__((always_inline)) void rms_norm_row(const void *row, const void *weight,
+                                                               void *out, int64_t width, float eps,
+                                                               int bf16) {
+    const int64_t vectors = width - width % LANES;
+    v8f squares = splat(0.0f);
+    for (int64_t i = 0; i < vectors; i += LANES) {
+        const v8f v = load(row, i, bf16);
+        squares += v * v;
+    }
+    float total = lane_sum(squares);
+    for (int64_t i = vectors; i < width; i++) {
+        const float v = element(row, i, bf16);
+        total += v * v;
+    }
+    const float scale = 1.0f / __builtin_sqrtf(total / (float)width + eps);
+    for (int64_t i = 0; i < vectors; i += LANES) {
+        const v8f normed = rounded8(load(row, i, bf16) * splat(scale), bf16);
+        store8(out, i, rounded8(load(weight, i, bf16) * normed, bf16), bf16);
+    }
+    for (int64_t i = vectors; i < width; i++) {
+        const float normed = rounded(element(row, i, bf16) * scale, bf16);
+        store(out, i, rounded(element(weight, i, bf16) * normed, bf16), bf16);
+    }
+}
+
+/* the norm of each row of x (R, E) */
 static inline __attribute__((always_inline)) void rms_norm(const void *x, const void *weight,
                                                            void *out, int64_t rows,
                                                            int64_t width, float eps, int bf16) {
-    const int64_t size = bf16 ? 2 : 4, vectors = width - width % LANES;
-    for (int64_t r = 0; r < rows; r++) {
-        const char *row = (const char *)x + r * width * size;
-        v8f squares = splat(0.0f);
-        for (int64_t i = 0; i < vectors; i += LANES) {
-            const v8f v = load(row, i, bf16);
-            squares += v * v;
-        }
-        float total = lane_sum(squares);
-        for (int64_t i = vectors; i < width; i++) {
-            const float v = element(row, i, bf16);
-            total += v * v;
-        }
-        const float scale = 1.0f / __builtin_sqrtf(total / (float)width + eps);
-        for (int64_t i = 0; i < width; i++) {
-            const float normed = rounded(element(row, i, bf16) * scale, bf16);
-            store(out, r * width + i, rounded(element(weight, i, bf16) * normed, bf16), bf16);
-        }
-    }
+    const int64_t size = bf16 ? 2 : 4;
+    for (int64_t r = 0; r < rows; r++)
+        rms_norm_row((const char *)x + r * width * size, weight, (char *)out + r * width * size,
+                     width, eps, bf16);
 }
 
 void rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t width,
@@ -345,4 +375,129 @@ void rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows,
 void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows,
                    int64_t width, float eps) {
     rms_norm(x, weight, out, rows, width, eps, 1);
+}
+
+/* sum = x + delta, rounded to the dtype (torch's add), and out = the norm of sum, row after
+   row of (R, E): a block's residual add and the next norm in one pass over the rows */
+static inline __attribute__((always_inline)) void add_rms_norm(const void *x, const void *delta,
+                                                               const void *weight, void *sum,
+                                                               void *out, int64_t rows,
+                                                               int64_t width, float eps,
+                                                               int bf16) {
+    const int64_t size = bf16 ? 2 : 4, vectors = width - width % LANES;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t at = r * width;
+        for (int64_t i = at; i < at + vectors; i += LANES)
+            store8(sum, i, rounded8(load(x, i, bf16) + load(delta, i, bf16), bf16), bf16);
+        for (int64_t i = at + vectors; i < at + width; i++)
+            store(sum, i, rounded(element(x, i, bf16) + element(delta, i, bf16), bf16), bf16);
+        rms_norm_row((const char *)sum + at * size, weight, (char *)out + at * size, width, eps,
+                     bf16);
+    }
+}
+
+void add_rms_norm_f32(const float *x, const float *delta, const float *weight, float *sum,
+                      float *out, int64_t rows, int64_t width, float eps) {
+    add_rms_norm(x, delta, weight, sum, out, rows, width, eps, 0);
+}
+
+void add_rms_norm_bf16(const uint16_t *x, const uint16_t *delta, const uint16_t *weight,
+                       uint16_t *sum, uint16_t *out, int64_t rows, int64_t width, float eps) {
+    add_rms_norm(x, delta, weight, sum, out, rows, width, eps, 1);
+}
+
+/* silu(g) = g / (1 + e^-g), as g / (1 + e^-g) for g >= 0 and g e^g / (1 + e^g) below, so
+   that exp8 only sees x <= 0; rounded to the dtype */
+static inline v8f silu8(v8f g, int bf16) {
+    const v8f e = exp8(bits_to_float(float_to_bits(g) | (v8i)splat(-0.0f))); /* e^-|g| */
+    const v8i positive = (v8i)(g >= splat(0.0f));
+    return rounded8(blend(positive, g, g * e) / (splat(1.0f) + e), bf16);
+}
+
+/* out = silu(gate) * up row after row, gate and up side by side in gu (R, 2F) -> (R, F); each
+   of torch's two ops rounded to the dtype. Every element goes through the same vector
+   arithmetic (a row's last F % 8 through a padded vector), so its bits depend on its own
+   gate and up alone. */
+static inline __attribute__((always_inline)) void swiglu(const void *gu, void *out, int64_t rows,
+                                                         int64_t width, int bf16) {
+    const int64_t vectors = width - width % LANES;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t g0 = 2 * r * width, u0 = g0 + width, o0 = r * width;
+        for (int64_t i = 0; i < vectors; i += LANES) {
+            const v8f s = silu8(load(gu, g0 + i, bf16), bf16);
+            store8(out, o0 + i, rounded8(s * load(gu, u0 + i, bf16), bf16), bf16);
+        }
+        if (vectors == width) continue;
+        v8f g = splat(0.0f), u = splat(0.0f);
+        for (int64_t i = vectors; i < width; i++) {
+            g[i - vectors] = element(gu, g0 + i, bf16);
+            u[i - vectors] = element(gu, u0 + i, bf16);
+        }
+        const v8f y = rounded8(silu8(g, bf16) * u, bf16);
+        for (int64_t i = vectors; i < width; i++) store(out, o0 + i, y[i - vectors], bf16);
+    }
+}
+
+void swiglu_f32(const float *gu, float *out, int64_t rows, int64_t width) {
+    swiglu(gu, out, rows, width, 0);
+}
+
+void swiglu_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t width) {
+    swiglu(gu, out, rows, width, 1);
+}
+
+/* The bfloat16 kernel's `linear` (bf16_linear.c, a library of its own): y (R, N) = x (R, K)
+   times a packed weight, plus bias (or NULL); 0: done. */
+typedef int (*linear_fn)(thread_pool *helpers, const uint16_t *x, const uint16_t *panels,
+                         const uint16_t *bias, uint16_t *y, int64_t rows, int64_t n_dim,
+                         int64_t k_dim, int amx);
+
+/* a block's weights, in this order, in `weights` (LAYER_WEIGHTS pointers a block) */
+enum { NORM_ATTN, QKV, QKV_BIAS, O, O_BIAS, NORM_MLP, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS,
+       LAYER_WEIGHTS };
+
+int layer_weights(void) { return LAYER_WEIGHTS; }
+
+/* Every decoder block of a bfloat16 Llama forward, as workers/engine/llama.py's Block runs
+   them op after op, in one call: for each block, x + attention(norm(x)) then x + mlp(norm(x)),
+   each residual add done with the norm after it, the last block's MLP added at the end.
+   x: (N, E) the embeddings in, the last block's output out; cos, sin: (N, D); k_pool,
+   v_pool: (blocks, Hkv, P, D); positions, keys, starts: as rope_attend's; weights: `layers`
+   blocks' LAYER_WEIGHTS pointers (packed panels from the bf16 kernel's `pack`). 0: done;
+   1: bad arguments; 2: out of memory. */
+int blocks_bf16(linear_fn linear, thread_pool *helpers, int amx, const void *const *weights,
+                int64_t layers, uint16_t *x, const uint16_t *cos, const uint16_t *sin,
+                uint16_t *k_pool, uint16_t *v_pool, const int64_t *positions,
+                const int64_t *keys, const int64_t *starts, int64_t n_tokens, int64_t width,
+                int64_t ffn, int64_t heads, int64_t kv_heads, int64_t pool, int64_t dim,
+                float eps, float scale) {
+    const int64_t n = n_tokens, qkv_width = (heads + 2 * kv_heads) * dim, layer = kv_heads * pool * dim;
+    uint16_t *h = malloc((size_t)(n * width) * 2), *delta = malloc((size_t)(n * width) * 2);
+    uint16_t *qkv = malloc((size_t)(n * qkv_width) * 2), *attended = malloc((size_t)(n * heads * dim) * 2);
+    uint16_t *gate_up = malloc((size_t)(n * 2 * ffn) * 2), *gated = malloc((size_t)(n * ffn) * 2);
+    int status = h && delta && qkv && attended && gate_up && gated ? 0 : 2;
+    for (int64_t l = 0; l < layers && !status; l++) {
+        const uint16_t *const *w = (const uint16_t *const *)weights + l * LAYER_WEIGHTS;
+        if (l == 0)
+            rms_norm(x, w[NORM_ATTN], h, n, width, eps, 1);
+        else
+            add_rms_norm(x, delta, w[NORM_ATTN], x, h, n, width, eps, 1);
+        status = linear(helpers, h, w[QKV], w[QKV_BIAS], qkv, n, qkv_width, width, amx);
+        if (!status)
+            status = rope_attend(helpers, qkv, cos, sin, k_pool + l * layer, v_pool + l * layer,
+                                 positions, keys, starts, attended, n, heads, kv_heads, pool, dim,
+                                 scale, 1);
+        if (!status)
+            status = linear(helpers, attended, w[O], w[O_BIAS], delta, n, width, heads * dim, amx);
+        if (status) break;
+        add_rms_norm(x, delta, w[NORM_MLP], x, h, n, width, eps, 1);
+        status = linear(helpers, h, w[GATE_UP], w[GATE_UP_BIAS], gate_up, n, 2 * ffn, width, amx);
+        if (!status) swiglu(gate_up, gated, n, ffn, 1);
+        if (!status) status = linear(helpers, gated, w[DOWN], w[DOWN_BIAS], delta, n, width, ffn, amx);
+    }
+    if (!status && layers > 0) /* the last block's MLP */
+        for (int64_t i = 0; i < n * width; i++)
+            x[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(delta[i]));
+    free(h), free(delta), free(qkv), free(attended), free(gate_up), free(gated);
+    return status;
 }
