@@ -16,9 +16,13 @@
    (token, group) items are shared between the caller and the helpers of a pool (pool.h),
    an item whole to one thread, so the output does not depend on the threads.
 
+   The blocks' other small ops are here too (RMS norm, the residual add fused with the next
+   norm, SwiGLU), and `blocks_bf16`, every decoder block of a bfloat16 forward in one call,
+   which calls the bfloat16 kernel's products (bf16_linear.c) through a pointer.
+
    Shapes: N tokens, H query heads, Hkv key/value heads (rep = H / Hkv query heads
    each), P pool positions, D head size (a multiple of 8, at most MAX_DIM), M
-   listed keys in all. */
+   listed keys in all; E hidden size, F MLP width. */
 
 #define _GNU_SOURCE /* pool.h names its threads */
 
@@ -446,6 +450,39 @@ void swiglu_bf16(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t width)
     swiglu(gu, out, rows, width, 1);
 }
 
+/* A row-wise op over rows of bfloat16 (x and delta (R, E) -> sum and out; or gate_up (R, 2F)
+   in x -> out (R, F)), ROWS_ITEM rows an item of a pool's job: rows never share a sum, so
+   the threads change no bit. */
+#define ROWS_ITEM 4
+
+typedef struct {
+    const uint16_t *x, *delta, *weight;
+    uint16_t *sum, *out;
+    int64_t rows, width;
+    float eps;
+} rows_job;
+
+static void add_rms_norm_item(const void *arg, int64_t item, int worker) {
+    const rows_job *j = arg;
+    const int64_t r0 = item * ROWS_ITEM, at = r0 * j->width;
+    const int64_t rows = j->rows - r0 < ROWS_ITEM ? j->rows - r0 : ROWS_ITEM;
+    (void)worker;
+    add_rms_norm(j->x + at, j->delta + at, j->weight, j->sum + at, j->out + at, rows, j->width,
+                 j->eps, 1);
+}
+
+static void swiglu_item(const void *arg, int64_t item, int worker) {
+    const rows_job *j = arg;
+    const int64_t r0 = item * ROWS_ITEM;
+    const int64_t rows = j->rows - r0 < ROWS_ITEM ? j->rows - r0 : ROWS_ITEM;
+    (void)worker;
+    swiglu(j->x + 2 * r0 * j->width, j->out + r0 * j->width, rows, j->width, 1);
+}
+
+static void rows_run(thread_pool *helpers, pool_item item, const rows_job *job) {
+    pool_run(helpers, item, job, (job->rows + ROWS_ITEM - 1) / ROWS_ITEM);
+}
+
 /* The bfloat16 kernel's `linear` (bf16_linear.c, a library of its own): y (R, N) = x (R, K)
    times a packed weight, plus bias (or NULL); 0: done. */
 typedef int (*linear_fn)(thread_pool *helpers, const uint16_t *x, const uint16_t *panels,
@@ -471,17 +508,20 @@ int blocks_bf16(linear_fn linear, thread_pool *helpers, int amx, const void *con
                 const int64_t *keys, const int64_t *starts, int64_t n_tokens, int64_t width,
                 int64_t ffn, int64_t heads, int64_t kv_heads, int64_t pool, int64_t dim,
                 float eps, float scale) {
-    const int64_t n = n_tokens, qkv_width = (heads + 2 * kv_heads) * dim, layer = kv_heads * pool * dim;
+    const int64_t n = n_tokens, qkv_width = (heads + 2 * kv_heads) * dim;
+    const int64_t layer = kv_heads * pool * dim; /* one block's keys (or values) in the pools */
     uint16_t *h = malloc((size_t)(n * width) * 2), *delta = malloc((size_t)(n * width) * 2);
-    uint16_t *qkv = malloc((size_t)(n * qkv_width) * 2), *attended = malloc((size_t)(n * heads * dim) * 2);
+    uint16_t *qkv = malloc((size_t)(n * qkv_width) * 2);
+    uint16_t *attended = malloc((size_t)(n * heads * dim) * 2);
     uint16_t *gate_up = malloc((size_t)(n * 2 * ffn) * 2), *gated = malloc((size_t)(n * ffn) * 2);
     int status = h && delta && qkv && attended && gate_up && gated ? 0 : 2;
     for (int64_t l = 0; l < layers && !status; l++) {
         const uint16_t *const *w = (const uint16_t *const *)weights + l * LAYER_WEIGHTS;
-        if (l == 0)
+        const rows_job attn_norm = {x, delta, w[NORM_ATTN], x, h, n, width, eps};
+        if (l > 0)
+            rows_run(helpers, add_rms_norm_item, &attn_norm);
+        else /* nothing to add yet */
             rms_norm(x, w[NORM_ATTN], h, n, width, eps, 1);
-        else
-            add_rms_norm(x, delta, w[NORM_ATTN], x, h, n, width, eps, 1);
         status = linear(helpers, h, w[QKV], w[QKV_BIAS], qkv, n, qkv_width, width, amx);
         if (!status)
             status = rope_attend(helpers, qkv, cos, sin, k_pool + l * layer, v_pool + l * layer,
@@ -490,10 +530,13 @@ int blocks_bf16(linear_fn linear, thread_pool *helpers, int amx, const void *con
         if (!status)
             status = linear(helpers, attended, w[O], w[O_BIAS], delta, n, width, heads * dim, amx);
         if (status) break;
-        add_rms_norm(x, delta, w[NORM_MLP], x, h, n, width, eps, 1);
+        const rows_job mlp_norm = {x, delta, w[NORM_MLP], x, h, n, width, eps};
+        rows_run(helpers, add_rms_norm_item, &mlp_norm);
         status = linear(helpers, h, w[GATE_UP], w[GATE_UP_BIAS], gate_up, n, 2 * ffn, width, amx);
-        if (!status) swiglu(gate_up, gated, n, ffn, 1);
-        if (!status) status = linear(helpers, gated, w[DOWN], w[DOWN_BIAS], delta, n, width, ffn, amx);
+        const rows_job gate = {gate_up, NULL, NULL, NULL, gated, n, ffn, 0.0f};
+        if (!status) rows_run(helpers, swiglu_item, &gate);
+        if (!status)
+            status = linear(helpers, gated, w[DOWN], w[DOWN_BIAS], delta, n, width, ffn, amx);
     }
     if (!status && layers > 0) /* the last block's MLP */
         for (int64_t i = 0; i < n * width; i++)
