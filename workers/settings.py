@@ -62,6 +62,12 @@ class EngineOptions(BaseSettings):
         "faster); --no-amx: its AVX512_BF16 instructions. The two round differently: "
         "bfloat16 text can differ between them",
     )
+    compiled_blocks: bool = Field(
+        True,
+        description="a bfloat16 model's decoder blocks in one C call a forward, where the "
+        "compiled bfloat16 kernel and attention serve it; --no-compiled-blocks: op by op from "
+        "Python (the same bits, slower; for comparison)",
+    )
     max_seq_len: int = Field(2048, ge=2, description="most tokens per session")
     model_cache: Path | None = Field(
         None, description="model cache; default $SPECSPLIT_MODEL_CACHE or ~/.cache/specsplit"

@@ -175,6 +175,7 @@ class WorkerSettings(EngineOptions):
             attention=self.attention,
             kernel_threads=self.kernel_threads,
             amx=self.amx,
+            compiled_blocks=self.compiled_blocks,
             max_sessions=self.max_sessions,
             max_seq_len=self.max_seq_len,
             kv_tokens=self.kv_tokens,

@@ -97,6 +97,8 @@ def test_rows_describe_their_configuration():
     everything = all_rows(configs)  # all: each float32 row, and off and the default in bf16
     assert "hybrid" in everything and "hybrid-bf16-cores" not in everything
     assert {"off-bf16-cores-noamx", "ngram-tree-adaptive-bf16-cores-noamx"} <= set(everything)
+    assert "off-bf16-cores-noblocks" not in everything
+    assert configs["off-bf16-cores-noblocks"].describe().endswith("blocks op by op")
 
 
 def test_each_row_is_set_against_speculation_off_of_its_dtype_and_kernel_threads():
@@ -104,10 +106,11 @@ def test_each_row_is_set_against_speculation_off_of_its_dtype_and_kernel_threads
     for row, config in configs.items():
         off = configs[report.baseline(row)]
         assert off.draft == "none" and off.prefix_caching
-        assert (off.dtype, off.kernel_threads, off.amx) == (
+        assert (off.dtype, off.kernel_threads, off.amx, off.compiled_blocks) == (
             config.dtype,
             config.kernel_threads,
             config.amx,
+            config.compiled_blocks,
         ), row
     assert configs["ngram-tree-adaptive-bf16-cores"].kernel_threads == len(os.sched_getaffinity(0))
     assert "kernel on" in configs["off-bf16-cores"].describe()

@@ -220,21 +220,29 @@ def test_swiglu_is_torchs_silu_times_up_and_each_row_its_own(kernels, dtype, wid
 @pytest.mark.parametrize("threads", [1, 2])
 def test_compiled_blocks_give_the_bits_of_the_blocks_one_by_one(kernels, kind, threads):
     hf = tiny_hf_model(kind, seed=4).to(torch.bfloat16)
-    config = EngineConfig(
-        model="tiny", max_sessions=4, max_seq_len=128, cache_dir=kernels, kernel_threads=threads
-    )
-    engine = Engine.from_hf(hf, None, config, "tiny")
-    if engine.model.compiled_blocks is None:
+    engines = [
+        Engine.from_hf(hf, None, config, "tiny")
+        for config in (
+            EngineConfig(
+                model="tiny",
+                max_sessions=4,
+                max_seq_len=128,
+                cache_dir=kernels,
+                kernel_threads=threads,
+                compiled_blocks=fused,
+            )  # fmt: skip
+            for fused in (True, False)
+        )
+    ]
+    if engines[0].model.compiled_blocks is None:
         pytest.skip("no bfloat16 kernel builds here")
+    assert engines[1].model.compiled_blocks is None  # --no-compiled-blocks
     prompt = [(5 * i + 3) % 90 for i in range(40)]
     rounds = [
         [SlotInput(0, 0, list(range(-1, 39)), prompt), SlotInput(1, 0, [-1, 0, 1], [4, 5, 6])],
         [SlotInput(0, 40, [-1, 0, 0, 1], [7, 8, 9, 10], 4), SlotInput(1, 3, [-1], [11])],
     ]
-    outputs = []
-    for fused in (engine.model.compiled_blocks, None):
-        engine.model.compiled_blocks = fused
-        outputs.append([engine.run(rows) for rows in rounds])  # each pass rewrites the keys
+    outputs = [[engine.run(rows) for rows in rounds] for engine in engines]
     for fused, one_by_one in zip(*outputs, strict=True):
         assert all(map(same_bits, fused.logits, one_by_one.logits))
         assert all(map(same_bits, fused.hidden, one_by_one.hidden))

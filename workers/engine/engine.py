@@ -74,6 +74,9 @@ class EngineConfig:
     kernel_threads: int = 0
     # the bfloat16 kernel on the CPU's AMX tile unit where it has one (engine/bf16_linear.py)
     amx: bool = True
+    # a bfloat16 model's blocks in one C call (paged_attention.CompiledBlocks) where the kernel
+    # and the compiled attention serve it; False: op by op from Python, the same bits
+    compiled_blocks: bool = True
     # share full KV blocks between sessions by their tokens (workers/engine/prefix_cache.py);
     # never for an EAGLE head, whose keys and values also depend on the states it is fed
     prefix_caching: bool = True
@@ -141,7 +144,7 @@ class Engine:
             model = EagleHead(hf_model, fuse, compiled).eval()
         if config.pack_weights:
             pack_linears(model, kernel)
-        if kernel is not None and compiled is not None:  # bfloat16: the kernel packed them
+        if config.compiled_blocks and kernel is not None and compiled is not None:
             model.compiled_blocks = CompiledBlocks(compiled, kernel, model)
         context = min(config.max_seq_len, shape.max_positions)
         room = context + config.max_tree_nodes  # cache columns one session may reach

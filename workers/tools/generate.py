@@ -101,6 +101,7 @@ def main(argv: list[str]) -> None:
             attention=s.attention,
             kernel_threads=s.kernel_threads,
             amx=s.amx,
+            compiled_blocks=s.compiled_blocks,
             max_sessions=1,
             max_seq_len=s.max_seq_len,
             cache_dir=s.model_cache,

@@ -80,7 +80,13 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 # speculation off per dtype, kernel threads and kernel arithmetic (the longest suffix first)
-OFF_ROWS = ("off-bf16-cores-noamx", "off-bf16-cores", "off-bf16", "off")
+OFF_ROWS = (
+    "off-bf16-cores-noamx",
+    "off-bf16-cores-noblocks",
+    "off-bf16-cores",
+    "off-bf16",
+    "off",
+)
 
 
 def baseline(row: str) -> str:

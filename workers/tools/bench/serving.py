@@ -49,6 +49,7 @@ class ServeConfig:
     dtype: str = "float32"  # the workers' --dtype
     kernel_threads: int = 0  # the workers' --kernel-threads; 0 = their torch threads
     amx: bool = True  # the workers' --amx: the bfloat16 kernel on the AMX tile unit if any
+    compiled_blocks: bool = True  # the workers' --compiled-blocks (the same bits either way)
 
     def describe(self) -> str:
         extras = ("" if self.prefix_caching else ", no prefix caching") + (
@@ -58,6 +59,8 @@ class ServeConfig:
             extras += f", kernel on {self.kernel_threads} threads"
         if not self.amx:
             extras += ", AMX off"
+        if not self.compiled_blocks:
+            extras += ", blocks op by op"
         return self.speculation() + extras
 
     def numerics(self) -> str:
@@ -174,6 +177,7 @@ class Serve(ServeProcess):
         args += ["--ngram-min-match", str(config.min_match)]
         args += ["--dtype", config.dtype, "--kernel-threads", str(config.kernel_threads)]
         args += ["--amx" if config.amx else "--no-amx"]
+        args += ["--compiled-blocks" if config.compiled_blocks else "--no-compiled-blocks"]
         if not config.prefix_caching:
             args += ["--no-worker-prefix-caching"]
         env = dict(os.environ)

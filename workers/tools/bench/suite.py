@@ -27,6 +27,9 @@ Rows (pick with --rows):
                         with one, what its vector instructions give (elsewhere the same);
                         their texts are checked against the first such row's (the two
                         round differently)
+  ROW-bf16-cores-noblocks  the bfloat16 rows with the kernel on every core and the decoder
+                        blocks op by op from Python (--no-compiled-blocks): the same bits,
+                        so their texts are checked against the first bfloat16 row's
 
 Every SpecSplit row starts a `specsplit serve` of its own for each point it
 measures (a workload at some streams), so that no point finds another's
@@ -157,6 +160,7 @@ def serve_configs(s: BenchSettings) -> dict[str, ServeConfig]:
         "-bf16": dict(dtype="bfloat16"),
         "-bf16-cores": dict(dtype="bfloat16", kernel_threads=cores),
         "-bf16-cores-noamx": dict(dtype="bfloat16", kernel_threads=cores, amx=False),
+        "-bf16-cores-noblocks": dict(dtype="bfloat16", kernel_threads=cores, compiled_blocks=False),
     }
     twins = [
         replace(c, name=c.name + suffix, **changes)
@@ -171,7 +175,9 @@ def all_rows(configs: dict[str, ServeConfig]) -> list[str]:
     bfloat16 variant (the other twins on request)."""
     kept = ("off-bf16", "ngram-tree-adaptive-bf16")
     return list(HF_ROWS) + [
-        r for r, c in configs.items() if c.dtype == "float32" or r.startswith(kept)
+        r
+        for r, c in configs.items()
+        if c.dtype == "float32" or (r.startswith(kept) and c.compiled_blocks)
     ]
 
 
