@@ -120,14 +120,19 @@ def key_rows(
 
 
 def visible_keys(
-    columns: list[torch.Tensor], masks: list[torch.Tensor], device: torch.device
+    columns: list[torch.Tensor], masks: list[torch.Tensor | None], device: torch.device
 ) -> VisibleKeys:
     """Each row's (L_b,) pool positions of its columns under its (T_b, L_b) mask, listed token
-    by token: a token's visible columns in column order, which is its sequence order."""
-    listed = [c.expand(m.shape[0], -1)[m] for c, m in zip(columns, masks, strict=True)]
-    counts = torch.cat([m.sum(1) for m in masks])  # (N,)
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])  # (N + 1,)
-    return VisibleKeys(torch.cat(listed).to(device), starts.to(device))
+    by token: a token's visible columns in column order, which is its sequence order. A mask
+    of None: the row's one token sees every column (a decode step)."""
+    listed = [
+        c if m is None else c.expand(m.shape[0], -1)[m] for c, m in zip(columns, masks, strict=True)
+    ]
+    counts = [
+        [len(c)] if m is None else m.sum(1).tolist() for c, m in zip(columns, masks, strict=True)
+    ]
+    starts = [0, *accumulate(n for row in counts for n in row)]  # (N + 1,)
+    return VisibleKeys(torch.cat(listed).to(device), torch.tensor(starts, device=device))
 
 
 def row_groups(
@@ -191,11 +196,16 @@ def build_batch(
         raise ValueError(f"sequence of {max(widths)} tokens exceeds the cache ({room} tokens)")
     lengths = [len(r.tokens) for r in rows]  # T_b
     starts = [0, *accumulate(lengths)]  # row b's tokens: starts[b] to starts[b + 1]
-    positions, masks = [], []
+    positions: list[list[int]] = []  # (T_b,) per row
+    masks: list[torch.Tensor | None] = []  # (T_b, L_b) per row; None: all True
     for r in rows:
         n, u = len(r.tokens), len(r.parents)
+        if u == n == 1:  # a decode step: one token, the prefix's child, sees every column
+            positions.append([r.prefix_len])
+            masks.append(None)
+            continue
         parents = torch.tensor(r.parents, dtype=torch.long)  # (U,)
-        positions.append(r.prefix_len + depths(parents)[u - n :] - 1)  # (T_b,)
+        positions.append((r.prefix_len + depths(parents)[u - n :] - 1).tolist())
         mask = torch.ones(n, r.prefix_len + u, dtype=torch.bool)  # (T_b, L_b)
         mask[:, r.prefix_len :] = tree_mask(parents)[u - n :]
         masks.append(mask)
@@ -204,11 +214,15 @@ def build_batch(
     if listed:
         visible = visible_keys(columns, masks, device)
     else:
-        groups = row_groups(rows, columns, masks, starts, cache, device)
+        full = [
+            torch.ones(1, w, dtype=torch.bool) if m is None else m
+            for m, w in zip(masks, widths, strict=True)
+        ]
+        groups = row_groups(rows, columns, full, starts, cache, device)
     written = [c[w - n :] for c, w, n in zip(columns, widths, lengths, strict=True)]  # (T_b,)
     return ForwardBatch(
         tokens=torch.tensor([x for r in rows for x in r.tokens], device=device),
-        positions=torch.cat(positions).to(device),
+        positions=torch.tensor([p for row in positions for p in row], device=device),
         token_positions=torch.cat(written).to(device),
         groups=groups,
         visible=visible,

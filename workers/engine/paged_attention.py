@@ -82,8 +82,9 @@ def supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | 
 
 
 class CompiledAttention:
-    """The loaded kernel for one cache dtype: a layer's attention, and its RMS norms (before
-    the attention and before the MLP). With `pool` (the bfloat16 kernel's helper threads,
+    """The loaded kernel for one cache dtype: a layer's attention, its RMS norms (before the
+    attention and before the MLP; each but the first block's with the residual add before
+    it) and its SwiGLU. With `pool` (the bfloat16 kernel's helper threads,
     workers/engine/pool.h) the attention shares its (token, head) pairs among them."""
 
     def __init__(self, library: ctypes.CDLL, dtype: torch.dtype, pool: native.Pool | None = None):
