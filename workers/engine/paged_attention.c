@@ -381,22 +381,28 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int
     rms_norm(x, weight, out, rows, width, eps, 1);
 }
 
-/* sum = x + delta, rounded to the dtype (torch's add), and out = the norm of sum, row after
-   row of (R, E): a block's residual add and the next norm in one pass over the rows */
+/* sum = x + delta over `count` elements, each rounded to the dtype (torch's add) */
+static inline __attribute__((always_inline)) void add(const void *x, const void *delta, void *sum,
+                                                      int64_t count, int bf16) {
+    const int64_t vectors = count - count % LANES;
+    for (int64_t i = 0; i < vectors; i += LANES)
+        store8(sum, i, rounded8(load(x, i, bf16) + load(delta, i, bf16), bf16), bf16);
+    for (int64_t i = vectors; i < count; i++)
+        store(sum, i, rounded(element(x, i, bf16) + element(delta, i, bf16), bf16), bf16);
+}
+
+/* sum = x + delta (`add`) and out = the norm of sum, row after row of (R, E): a block's
+   residual add and the next norm in one pass over the rows */
 static inline __attribute__((always_inline)) void add_rms_norm(const void *x, const void *delta,
                                                                const void *weight, void *sum,
                                                                void *out, int64_t rows,
                                                                int64_t width, float eps,
                                                                int bf16) {
-    const int64_t size = bf16 ? 2 : 4, vectors = width - width % LANES;
+    const int64_t size = bf16 ? 2 : 4;
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t at = r * width;
-        for (int64_t i = at; i < at + vectors; i += LANES)
-            store8(sum, i, rounded8(load(x, i, bf16) + load(delta, i, bf16), bf16), bf16);
-        for (int64_t i = at + vectors; i < at + width; i++)
-            store(sum, i, rounded(element(x, i, bf16) + element(delta, i, bf16), bf16), bf16);
-        rms_norm_row((const char *)sum + at * size, weight, (char *)out + at * size, width, eps,
-                     bf16);
+        const int64_t at = r * width * size; /* bytes */
+        add((const char *)x + at, (const char *)delta + at, (char *)sum + at, width, bf16);
+        rms_norm_row((char *)sum + at, weight, (char *)out + at, width, eps, bf16);
     }
 }
 
@@ -538,9 +544,7 @@ int blocks_bf16(linear_fn linear, thread_pool *helpers, int amx, const void *con
         if (!status)
             status = linear(helpers, gated, w[DOWN], w[DOWN_BIAS], delta, n, width, ffn, amx);
     }
-    if (!status && layers > 0) /* the last block's MLP */
-        for (int64_t i = 0; i < n * width; i++)
-            x[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(delta[i]));
+    if (!status && layers > 0) add(x, delta, x, n * width, 1); /* the last block's MLP */
     free(h), free(delta), free(qkv), free(attended), free(gate_up), free(gated);
     return status;
 }

@@ -213,7 +213,7 @@ class CompiledBlocks:
         # x: (N, E) the first block's input; cos, sin: (N, 1, D) -> (N, E) the last block's
         # output; writes every block's keys and values at batch.token_positions
         s, keys = self.shape, batch.visible
-        x = x.contiguous().clone()  # (N, E), replaced block after block
+        x = x.clone(memory_format=torch.contiguous_format)  # (N, E), replaced block by block
         status = self.function(
             self.kernel.linear_address, self.kernel.pool.handle, self.kernel.amx, self.weights,
             s.num_layers, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), cache.k.data_ptr(),
