@@ -92,6 +92,9 @@ def test_rows_describe_their_configuration():
         configs["ngram-tree-adaptive-bf16"].speculation()
         == configs["ngram-tree-adaptive"].speculation()
     )
+    assert {r.removeprefix("off") for r in configs if r.startswith("off-bf16")} == set(
+        report.TWINS
+    )  # every twin is known to report.baseline
     twin = configs["hybrid-bf16-cores"]  # every SpecSplit row has its bfloat16 twins
     assert twin.hybrid and (twin.dtype, twin.amx) == ("bfloat16", True) and twin.kernel_threads
     everything = all_rows(configs)  # all: each float32 row, and off and the default in bf16

@@ -79,14 +79,10 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-# speculation off per dtype, kernel threads and kernel arithmetic (the longest suffix first)
-OFF_ROWS = (
-    "off-bf16-cores-noamx",
-    "off-bf16-cores-noblocks",
-    "off-bf16-cores",
-    "off-bf16",
-    "off",
-)
+# the name suffixes of every row's bfloat16 twins (suite.serve_configs), the longest first
+TWINS = ("-bf16-cores-noblocks", "-bf16-cores-noamx", "-bf16-cores", "-bf16")
+# speculation off per dtype, kernel threads and kernel arithmetic
+OFF_ROWS = (*(f"off{suffix}" for suffix in TWINS), "off")
 
 
 def baseline(row: str) -> str:

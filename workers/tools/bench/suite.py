@@ -156,15 +156,16 @@ def serve_configs(s: BenchSettings) -> dict[str, ServeConfig]:
         ServeConfig("model-tree-overlap", "model", md, mk, mb, adaptive=True, overlap=True),
         ServeConfig("hybrid", "model", nd, mk, nb, adaptive=True, hybrid=True),
     ]
-    numerics = {  # the bfloat16 twins of every row (report.baseline pairs them by suffix)
-        "-bf16": dict(dtype="bfloat16"),
-        "-bf16-cores": dict(dtype="bfloat16", kernel_threads=cores),
-        "-bf16-cores-noamx": dict(dtype="bfloat16", kernel_threads=cores, amx=False),
-        "-bf16-cores-noblocks": dict(dtype="bfloat16", kernel_threads=cores, compiled_blocks=False),
+    bf16 = dict(dtype="bfloat16")
+    changes = {  # each of report.TWINS: the bfloat16 twins of every row
+        "-bf16": bf16,
+        "-bf16-cores": dict(bf16, kernel_threads=cores),
+        "-bf16-cores-noamx": dict(bf16, kernel_threads=cores, amx=False),
+        "-bf16-cores-noblocks": dict(bf16, kernel_threads=cores, compiled_blocks=False),
     }
     twins = [
-        replace(c, name=c.name + suffix, **changes)
-        for suffix, changes in numerics.items()
+        replace(c, name=c.name + suffix, **change)
+        for suffix, change in changes.items()
         for c in base
     ]
     return {c.name: c for c in base + twins}
