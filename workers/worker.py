@@ -176,6 +176,7 @@ class WorkerSettings(EngineOptions):
             kernel_threads=self.kernel_threads,
             amx=self.amx,
             compiled_blocks=self.compiled_blocks,
+            cuda_graphs=self.cuda_graphs,
             max_sessions=self.max_sessions,
             max_seq_len=self.max_seq_len,
             kv_tokens=self.kv_tokens,

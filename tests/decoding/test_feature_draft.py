@@ -133,7 +133,7 @@ def test_the_target_returns_its_states_of_the_committed_positions():
     call = VerifyCall("s", 0, prompt, TokenTree.empty(), GREEDY, return_hidden=True)
     (first,) = runner.verify([call])
     assert first.hidden.start == 0 and first.hidden.states.shape == (len(prompt), 64)
-    logits = engine.model.logits(first.hidden.states[-1:].float())  # (1, V)
+    logits = engine.model.logits(first.hidden.states[-1:].to(engine.device, torch.float32))
     assert int(logits.argmax()) == first.emitted[0]
     tree = TokenTree(torch.tensor([first.emitted[0], 3]), torch.tensor([-1, 0]))
     history = prompt + first.emitted

@@ -10,7 +10,7 @@ bfloat16, where a one-ulp difference flips near-ties (tests/gateway/test_bf16.py
 import pytest
 import torch
 
-from tests.engine.tiny import tiny_hf_model
+from tests.engine.tiny import engine_device, tiny_hf_model
 from workers.engine.attention import MIN_ROWS, scores_by_chunk
 from workers.engine.batch import SlotInput
 from workers.engine.engine import Engine, EngineConfig
@@ -28,8 +28,11 @@ def chain(n: int) -> list[int]:
 
 
 def engine(dtype: torch.dtype, attention: str) -> Engine:
-    hf = tiny_hf_model("llama", seed=9).to(dtype)
-    config = EngineConfig(max_sessions=3, max_seq_len=256, attention=attention)
+    """The chunked attention on $SPECSPLIT_TEST_DEVICE (tests/engine/tiny.py), the compiled
+    one on the CPU it runs on."""
+    device = engine_device() if attention == "chunked" else "cpu"
+    hf = tiny_hf_model("llama", seed=9).to(dtype).to(device)
+    config = EngineConfig(device=device, max_sessions=3, max_seq_len=256, attention=attention)
     return Engine.from_hf(hf, None, config, "t")
 
 

@@ -1,6 +1,12 @@
-"""Tiny random Llama-family models that tests build themselves (no files, no hub)."""
+"""Tiny random Llama-family models that tests build themselves (no files, no hub).
+
+`tiny_engine` puts its engine on $SPECSPLIT_TEST_DEVICE ("cpu" unless set): with "cuda"
+the engine, worker and decoding tests that use it run their engines on a GPU
+(bench/GPU.md), the transformers references staying on the CPU."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -49,7 +55,13 @@ def tiny_hf_model(kind: str = "llama", vocab: int = 96, seed: int = 0):
     return model.eval()
 
 
+def engine_device() -> str:
+    """The torch device tests run their engines on."""
+    return os.environ.get("SPECSPLIT_TEST_DEVICE", "cpu")
+
+
 def tiny_engine(kind: str = "llama", vocab: int = 96, seed: int = 0, slots: int = 4) -> Engine:
-    hf = tiny_hf_model(kind, vocab, seed)
-    config = EngineConfig(model=f"tiny-{kind}", max_sessions=slots, max_seq_len=256)
+    device = engine_device()
+    hf = tiny_hf_model(kind, vocab, seed).to(device)
+    config = EngineConfig(model=f"tiny-{kind}", device=device, max_sessions=slots, max_seq_len=256)
     return Engine.from_hf(hf, None, config, model_id=f"tiny-{kind}-{seed}")

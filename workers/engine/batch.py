@@ -12,6 +12,7 @@ gathered per group of rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -101,13 +102,24 @@ def is_chain(mask: torch.Tensor) -> bool:
     return bool((mask == (torch.arange(mask.shape[-1]) < seen)).all())
 
 
+Widen = Callable[[int], int]  # a key width (whole blocks) -> the width to pad it to
+
+
 def key_rows(
-    reads: list[torch.Tensor], seen: list[torch.Tensor], cache: PagedKVCache, device: torch.device
+    reads: list[torch.Tensor],
+    seen: list[torch.Tensor],
+    cache: PagedKVCache,
+    device: torch.device,
+    widen: Widen | None = None,
 ) -> KeyRows:
     """K key rows from their pool positions (n_k,) each, padded with the null block to a
-    whole number of blocks; `seen` holds each slot's (T, n_g) mask over its columns."""
+    whole number of blocks, and to `widen`'s width where given (masked null-block columns
+    change no output: workers/engine/attention.py); `seen` holds each slot's (T, n_g) mask
+    over its columns."""
     block = cache.block_size
     width = -(-max(len(r) for r in reads) // block) * block
+    if widen is not None:
+        width = widen(width)
     read = torch.full((len(reads), width), NULL_BLOCK * block)  # (K, L)
     for k, r in enumerate(reads):
         read[k, : len(r)] = r
@@ -142,9 +154,11 @@ def row_groups(
     starts: list[int],
     cache: PagedKVCache,
     device: torch.device,
+    widen: Widen | None = None,
 ) -> list[RowGroup]:
     """The chunked attention's calls, one per group of rows with equal T: each row's (L_b,)
-    pool positions of its columns under its (T_b, L_b) mask, its tokens from starts[b]."""
+    pool positions of its columns under its (T_b, L_b) mask, its tokens from starts[b];
+    key rows padded to `widen`'s widths where given."""
     lengths = [len(r.tokens) for r in rows]
     groups = []
     for new in sorted(set(lengths)):
@@ -152,7 +166,7 @@ def row_groups(
         tail = None
         if all(is_chain(masks[b]) for b in members):
             shared = key_rows(
-                [columns[b] for b in members], [masks[b] for b in members], cache, device
+                [columns[b] for b in members], [masks[b] for b in members], cache, device, widen
             )
         else:
             whole = [rows[b].prefix_len // cache.block_size * cache.block_size for b in members]
@@ -161,6 +175,7 @@ def row_groups(
                 [masks[b][:, :w] for b, w in zip(members, whole, strict=True)],
                 cache,
                 device,
+                widen,
             )
             reads, seen = [], []
             for b, w in zip(members, whole, strict=True):
@@ -168,7 +183,7 @@ def row_groups(
                 reads += [columns[b][r] for r in rest]
                 counts = torch.tensor([len(r) for r in rest])  # (T,)
                 seen.append(torch.arange(int(counts.max())) < counts[:, None])  # (T, max n_t)
-            tail = key_rows(reads, seen, cache, device)
+            tail = key_rows(reads, seen, cache, device, widen)
         tokens = None
         if len(members) < len(rows):
             tokens = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in members])
@@ -184,12 +199,18 @@ def row_groups(
 
 
 def build_batch(
-    rows: list[SlotInput], cache: PagedKVCache, device: torch.device, listed: bool = False
+    rows: list[SlotInput],
+    cache: PagedKVCache,
+    device: torch.device,
+    listed: bool = False,
+    widen: Widen | None = None,
 ) -> ForwardBatch:
     """The forward of `rows` laid out for the model: N tokens, their positions, pool positions,
     and what attention reads: with `listed` each token's visible keys (the compiled
-    attention), else one call per group of rows with equal T (the chunked one). Each row's
-    slot must already hold blocks for its L_b columns (`PagedKVCache.reserve`)."""
+    attention), else one call per group of rows with equal T (the chunked one), its key
+    rows padded to `widen`'s widths where given (so that a CUDA graph captured for one
+    width serves the next steps: workers/engine/cuda_graphs.py). Each row's slot must
+    already hold blocks for its L_b columns (`PagedKVCache.reserve`)."""
     widths = [r.prefix_len + len(r.parents) for r in rows]  # L_b
     room = cache.max_seq_len
     if max(widths) > room:
@@ -218,7 +239,7 @@ def build_batch(
             torch.ones(1, w, dtype=torch.bool) if m is None else m
             for m, w in zip(masks, widths, strict=True)
         ]
-        groups = row_groups(rows, columns, full, starts, cache, device)
+        groups = row_groups(rows, columns, full, starts, cache, device, widen)
     written = [c[w - n :] for c, w, n in zip(columns, widths, lengths, strict=True)]  # (T_b,)
     return ForwardBatch(
         tokens=torch.tensor([x for r in rows for x in r.tokens], device=device),

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from workers.engine.batch import SlotInput, build_batch
 from workers.engine.bf16_linear import Bf16Linear, bf16_kernel
+from workers.engine.cuda_graphs import CudaGraphs
 from workers.engine.eagle import EagleHead, draft_kind, load_fuse
 from workers.engine.kv_cache import PagedKVCache
 from workers.engine.llama import LlamaShape, NativeLlama
@@ -77,6 +79,9 @@ class EngineConfig:
     # a bfloat16 model's blocks in one C call (paged_attention.CompiledBlocks) where the kernel
     # and the compiled attention serve it; False: op by op from Python, the same bits
     compiled_blocks: bool = True
+    # on a CUDA device, decode and verify forwards captured as CUDA graphs and replayed
+    # (workers/engine/cuda_graphs.py); False: every forward launched op by op
+    cuda_graphs: bool = True
     # share full KV blocks between sessions by their tokens (workers/engine/prefix_cache.py);
     # never for an EAGLE head, whose keys and values also depend on the states it is fed
     prefix_caching: bool = True
@@ -99,6 +104,7 @@ class Engine:
     model_id: str
     context_length: int  # most committed tokens per session
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    graphs: CudaGraphs | None = None  # captured forwards, on a CUDA device
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
@@ -160,7 +166,10 @@ class Engine:
             block_size=config.kv_block_size,
             share_prefixes=config.prefix_caching and fuse is None,
         )
-        return cls(model, tokenizer, cache, model_id, context, torch.device(config.device))
+        graphs = None
+        if config.cuda_graphs and device.type == "cuda":
+            graphs = CudaGraphs(cache.block_size, cache.max_blocks * cache.block_size)
+        return cls(model, tokenizer, cache, model_id, context, device, graphs)
 
     @property
     def vocab_size(self) -> int:
@@ -230,14 +239,22 @@ class Engine:
         rows' tokens in order: the target states a feature draft pairs them with."""
         for r in rows:
             self.cache.reserve(r.slot, r.prefix_len + len(r.parents))
-        batch = build_batch(rows, self.cache, self.device, listed=self.model.compiled is not None)
+        listed = self.model.compiled is not None
         if features is not None:
             features = features.to(self.device, next(self.model.parameters()).dtype)
-        hidden = self.model.hidden(self.cache, batch, features)  # (N, E)
+        if self.graphs is None:
+            batch = build_batch(rows, self.cache, self.device, listed)
+            hidden = self.model.hidden(self.cache, batch, features)  # (N, E)
+        else:
+            widen = self.graphs.widen_for(sum(len(r.tokens) for r in rows))
+            batch = build_batch(rows, self.cache, self.device, listed, widen)
+            hidden = self.graphs(partial(self.model.hidden, self.cache), batch, features)
         picked = torch.cat(
             [hidden[end - r.logits_for : end] for end, r in zip(batch.ends, rows, strict=True)]
         )  # (sum logits_for, E)
         logits = self.model.logits(picked)  # (sum logits_for, V)
+        if self.device.type != "cpu":  # the runners verify and sample on the CPU
+            logits, hidden = logits.cpu(), hidden.cpu()
         return Forward(
             list(logits.split([r.logits_for for r in rows])),
             list(hidden.split([len(r.tokens) for r in rows])),

@@ -236,7 +236,7 @@ class NativeLlama(nn.Module):
         )
         self.norm = body.norm.weight
         self.lm_head = hf_model.lm_head
-        self.rotary = Rotary(config)
+        self.rotary = Rotary(config).to(self.embed.weight.device)
         self.compiled = compiled  # its batches list each token's keys when set
         # all blocks in one call (paged_attention.CompiledBlocks), set by the engine where the
         # model is bfloat16 with packed weights and the compiled attention

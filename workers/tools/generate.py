@@ -102,6 +102,7 @@ def main(argv: list[str]) -> None:
             kernel_threads=s.kernel_threads,
             amx=s.amx,
             compiled_blocks=s.compiled_blocks,
+            cuda_graphs=s.cuda_graphs,
             max_sessions=1,
             max_seq_len=s.max_seq_len,
             cache_dir=s.model_cache,
