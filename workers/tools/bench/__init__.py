@@ -14,6 +14,7 @@ admission.py `admission`: more streams at once than `specsplit serve` holds (the
 lossy.py     `lossy`: each lossy acceptance rule's speed and agreement with exact output
 prefill.py   `prefill`: running streams' inter-token latency while a long prompt arrives
 suffix.py    `suffix`: the suffix cache off vs on, on workloads that repeat across requests
+gpu.py       `gpu`: the engine on a CUDA GPU, eager and graphed, vs transformers generate
 machine.py   the machine every kind reports, described once
 """
 
@@ -54,6 +55,10 @@ KINDS: Table = {
     "suffix": (
         "workers.tools.bench.suffix",
         "the suffix cache off vs on: repeated questions, an agent's file edits",
+    ),
+    "gpu": (
+        "workers.tools.bench.gpu",
+        "the engine on a CUDA GPU, eager and CUDA graphs, vs transformers generate (1B Llama)",
     ),
 }
 
