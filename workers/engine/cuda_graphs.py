@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from workers.engine.batch import ForwardBatch, KeyRows
+from workers.engine.batch import ForwardBatch, KeyRows, Widen
 
 Hidden = Callable[[ForwardBatch, torch.Tensor | None], torch.Tensor]  # batch, features -> (N, E)
 
@@ -109,7 +109,7 @@ class CudaGraphs:
     pool: tuple | None = None  # the graphs' shared memory pool
     replays: int = 0  # forwards served by a captured graph
 
-    def widen_for(self, tokens: int) -> Callable[[int], int] | None:
+    def widen_for(self, tokens: int) -> Widen | None:
         """How a forward of `tokens` pads its key widths: to shared widths where it will be
         captured, not at all where it runs eagerly."""
         if tokens > self.max_tokens:
