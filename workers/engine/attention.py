@@ -142,15 +142,19 @@ def attend(q: torch.Tensor, shared: Keys, tail: Keys | None, chunk: int) -> torc
     scores = joined_chunks(scores).masked_fill(~joined_chunks(seen), float("-inf"))
     top = scores.amax(4, keepdim=True).amax(2, keepdim=True)  # (G, Hkv, 1, rows, 1): exact
     p = torch.exp(scores - top)  # (G, Hkv, C, rows, chunk), masked: 0
-    total = sum_chunks(p.sum(-1, keepdim=True))  # (G, Hkv, rows, 1)
+    # each chunk's probability-weighted values with its probability sum beside them, so one
+    # fold adds both, element by element in the order two folds would (half the adds)
+    p_sums = p.sum(-1, keepdim=True)  # (G, Hkv, C, rows, 1)
     v = chunked(values, chunk)  # (G, Hkv, Cs, chunk, D)
     cs = v.shape[2]
-    weighted = [torch.matmul(p[:, :, :cs], v)]  # (G, Hkv, Cs, rows, D)
+    weighted = torch.matmul(p[:, :, :cs], v)  # (G, Hkv, Cs, rows, D)
+    parts = [torch.cat((weighted, p_sums[:, :, :cs]), -1)]  # (G, Hkv, Cs, rows, D + 1)
     if tail is not None:
         tv = chunked(tail_values, chunk)  # (G * T, Hkv, Ct, chunk, D)
         p_tokens = pad_rows(slots_to_tail(p[:, :, cs:, :r], rep, t), padded(rep))
         tail_weighted = torch.matmul(p_tokens, tv)[..., :rep, :]  # (G * T, Hkv, Ct, rep, D)
-        weighted.append(pad_rows(tail_to_slots(tail_weighted, g, t), rows))
-    summed = sum_chunks(*weighted)  # (G, Hkv, rows, D)
+        tail_slots = pad_rows(tail_to_slots(tail_weighted, g, t), rows)  # (G, Hkv, Ct, rows, D)
+        parts.append(torch.cat((tail_slots, p_sums[:, :, cs:]), -1))
+    summed, total = sum_chunks(*parts).split([d, 1], -1)  # (G, Hkv, rows, D), (.., 1)
     out = (summed / total)[:, :, :r]  # (G, Hkv, R, D)
     return out.reshape(g, hkv, rep, t, d).to(q.dtype)
