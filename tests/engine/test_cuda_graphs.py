@@ -10,7 +10,7 @@ import torch
 
 from tests.engine.tiny import engine_device, tiny_hf_model
 from workers.engine.batch import SlotInput, build_batch
-from workers.engine.cuda_graphs import widen
+from workers.engine.cuda_graphs import CudaGraphs, widen
 from workers.engine.engine import Engine, EngineConfig
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -71,6 +71,30 @@ def test_widened_key_rows_give_the_same_bits(dtype):
 
 def test_no_graphs_off_a_gpu():
     assert engine(torch.float32, "cpu").graphs is None
+
+
+class Rerun:
+    """Records a forward by keeping it: a replay runs it again over the recorded inputs,
+    as a CUDA graph replays its kernels over them (the graphs' bookkeeping, on a CPU)."""
+
+    def record(self, run):
+        output = run()
+        return output.clone(), output, lambda: output.copy_(run())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_replays_over_the_copied_inputs_give_the_eager_bits(dtype):
+    """Each layout recorded once, later forwards replayed over their own tensors copied
+    into the recorded ones: a tensor copied into the wrong place, or left out, would
+    replay another step's tokens or keys."""
+    replayed, eager = engine(dtype, "cpu", graphs=False), engine(dtype, "cpu", graphs=False)
+    cache = replayed.cache
+    widest = cache.max_blocks * cache.block_size
+    replayed.graphs = CudaGraphs(cache.block_size, widest, recorder=Rerun())
+    for rows in steps():
+        for got, want in zip(replayed.forward(rows), eager.forward(rows), strict=True):
+            assert torch.equal(got, want)
+    assert len(replayed.graphs.graphs) == 3 and replayed.graphs.replays == 22
 
 
 @CUDA

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 
@@ -88,25 +89,58 @@ def cloned(batch: ForwardBatch) -> ForwardBatch:
     )
 
 
+Run = Callable[[], torch.Tensor]  # a forward over the captured inputs -> (N, E)
+
+
+class Recorder(Protocol):
+    """How a forward is captured and replayed."""
+
+    def record(self, run: Run) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None]]:
+        """Runs `run` once and records it: (its result now, the recorded output, a replay
+        that refreshes that output from the recorded inputs' current values)."""
+        ...
+
+
+@dataclass
+class CudaRecorder:
+    """CUDA graphs sharing one memory pool."""
+
+    pool: tuple | None = None
+
+    def record(self, run: Run) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None]]:
+        side = torch.cuda.Stream()  # capture wants a warmed-up forward, on a side stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            now = run()
+        torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = run()  # recorded, not run
+        return now, output, graph.replay
+
+
 @dataclass
 class Captured:
-    """One layout's graph, its input tensors and its output."""
+    """One layout's recorded forward, its input tensors and its output."""
 
-    graph: torch.cuda.CUDAGraph
+    replay: Callable[[], None]
     inputs: list[torch.Tensor]
     output: torch.Tensor  # (N, E)
 
 
 @dataclass
 class CudaGraphs:
-    """Captured forwards by layout, on one CUDA device."""
+    """Captured forwards by layout, on one CUDA device (`recorder`: CUDA graphs; tests on a
+    CPU record by running the forward again)."""
 
     block: int  # the KV cache's block size: key widths are whole blocks
     most_width: int  # the widest key row a slot can need
     max_tokens: int = 64  # forwards feeding more tokens run eagerly
     max_graphs: int = 512  # layouts captured at most; further ones run eagerly
+    recorder: Recorder = field(default_factory=CudaRecorder)
     graphs: dict[tuple, Captured] = field(default_factory=dict)
-    pool: tuple | None = None  # the graphs' shared memory pool
     replays: int = 0  # forwards served by a captured graph
 
     def widen_for(self, tokens: int) -> Widen | None:
@@ -127,28 +161,13 @@ class CudaGraphs:
         if captured is not None:
             for static, new in zip(captured.inputs, inputs(batch, features), strict=True):
                 static.copy_(new)
-            captured.graph.replay()
+            captured.replay()
             self.replays += 1
             return captured.output.clone()
         if len(self.graphs) >= self.max_graphs:
             return hidden(batch, features)
-        return self.capture(key, hidden, batch, features)
-
-    def capture(
-        self, key: tuple, hidden: Hidden, batch: ForwardBatch, features: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Runs the forward eagerly on a side stream, then captures it for `key`."""
         static = cloned(batch)
         static_features = None if features is None else features.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            out = hidden(static, static_features)  # (N, E): this forward's result
-        torch.cuda.current_stream().wait_stream(side)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = hidden(static, static_features)  # recorded, not run
-        self.graphs[key] = Captured(graph, inputs(static, static_features), output)
-        return out
+        now, output, replay = self.recorder.record(lambda: hidden(static, static_features))
+        self.graphs[key] = Captured(replay, inputs(static, static_features), output)
+        return now
