@@ -32,6 +32,7 @@ from pydantic_settings import BaseSettings
 from workers.settings import EMBEDDED_MODEL, settings_config
 from workers.speculation.ngram import MAX_NGRAM, match_length, ngram_tree
 from workers.speculation.tree import TokenTree
+from workers.tools.bench.report import publish
 from workers.tools.bench.workloads import messages
 
 
@@ -176,6 +177,4 @@ def main(argv: list[str]) -> None:
 
     s = parse(CeilingSettings, argv)
     table = run_ceiling(s)
-    print(table)
-    s.out.mkdir(parents=True, exist_ok=True)
-    (s.out / "ceiling.md").write_text(table + "\n")
+    publish(table, s.out, "ceiling.md")

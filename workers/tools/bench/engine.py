@@ -34,6 +34,7 @@ from workers.speculation.sampling import SamplingParams
 from workers.target.runner import TargetRunner
 from workers.tools.bench.forward import forward_costs
 from workers.tools.bench.machine import describe
+from workers.tools.bench.report import publish
 from workers.tools.bench.workloads import TEXTS
 
 
@@ -167,6 +168,4 @@ def main(argv: list[str]) -> None:
     if s.threads:
         torch.set_num_threads(s.threads)
     table = run_engine_bench(s) + "\n\n" + forward_table(s)
-    print(table)
-    s.out.mkdir(parents=True, exist_ok=True)
-    (s.out / "engine.md").write_text(table + "\n")
+    publish(table, s.out, "engine.md")

@@ -29,6 +29,7 @@ from workers.speculation.sampling import SamplingParams
 from workers.target.runner import TargetRunner
 from workers.tools.bench.forward import forward_costs
 from workers.tools.bench.machine import describe
+from workers.tools.bench.report import publish
 
 
 class GpuBenchSettings(BaseSettings):
@@ -158,6 +159,4 @@ def run_gpu_bench(s: GpuBenchSettings) -> str:
 def main(argv: list[str]) -> None:
     s = parse(GpuBenchSettings, argv)
     table = run_gpu_bench(s)
-    print(table)
-    s.out.mkdir(parents=True, exist_ok=True)
-    (s.out / "gpu.md").write_text(table + "\n")
+    publish(table, s.out, "gpu.md")

@@ -19,6 +19,13 @@ CSV_FIELDS = [
 ]  # fmt: skip
 
 
+def publish(table: str, folder: Path, name: str) -> None:
+    """Prints a benchmark kind's Markdown table and writes it to folder/name."""
+    print(table)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(table + "\n")
+
+
 def fmt(value, digits: int = 1, suffix: str = "") -> str:
     return "-" if value is None else f"{value:.{digits}f}{suffix}"
 
