@@ -8,11 +8,14 @@ For each of `--dtypes`, on one prompt of random tokens, greedy, one stream:
   - the same with decode forwards replayed as CUDA graphs (the default on a GPU),
 and prints tokens/s, the ratio to transformers `generate`, and how many leading
 tokens each row shares with transformers and with the eager engine. Then the cost of
-one forward (bench/forward.py's shapes) eager and graphed. bench/GPU.md holds a run.
+one forward (bench/forward.py's shapes) eager and graphed, and tokens/s of the engine
+served as a target worker over gRPC at `--sessions` concurrent sessions (bench/workers.py's
+loop: batched decode steps). bench/GPU.md holds a run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 from pathlib import Path
@@ -23,6 +26,7 @@ from pydantic_settings import BaseSettings
 
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
+from workers.loop import Plan
 from workers.loop.inprocess import LocalDecoder
 from workers.settings import parse, settings_config
 from workers.speculation.sampling import SamplingParams
@@ -30,6 +34,7 @@ from workers.target.runner import TargetRunner
 from workers.tools.bench.forward import forward_costs
 from workers.tools.bench.machine import describe
 from workers.tools.bench.report import publish
+from workers.tools.bench.workers import served_rows
 
 
 class GpuBenchSettings(BaseSettings):
@@ -40,6 +45,9 @@ class GpuBenchSettings(BaseSettings):
     prompt_tokens: int = Field(128, ge=1, description="random prompt tokens")
     max_tokens: int = Field(128, ge=1, description="new tokens per generation")
     repeats: int = Field(3, ge=1, description="timed generations per row (median)")
+    sessions: list[int] = Field(
+        [1, 8], description="concurrent sessions over gRPC, a target worker, no draft"
+    )
     device: str = Field("cuda", description="torch device")
     out: Path = Field(Path("bench/results"), description="where the Markdown table goes")
 
@@ -74,14 +82,34 @@ def timed(run, repeats: int) -> tuple[float, list[int]]:
     return statistics.median(times), out
 
 
+def served_rates(engine: Engine, s: GpuBenchSettings) -> list[float]:
+    """Tokens/s of a target worker on `engine` over gRPC, no draft, greedy, for each of
+    `--sessions` concurrent sessions of random prompts (bench/workers.py); each count runs
+    twice and the second is timed (the first captures its layouts' graphs)."""
+    gen = torch.Generator().manual_seed(1)
+    plans = [
+        Plan(
+            torch.randint(0, engine.vocab_size, (s.prompt_tokens,), generator=gen).tolist(),
+            s.max_tokens,
+            SamplingParams(),
+        )
+        for _ in range(max(s.sessions))
+    ]
+    rows = asyncio.run(served_rows(engine, plans, s.sessions + s.sessions, False, 2.0))
+    return [r.tokens / r.seconds for r in rows[len(s.sessions) :]]
+
+
 def shared_prefix(a: list[int], b: list[int]) -> int:
     return next(
         (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
     )
 
 
-def dtype_rows(s: GpuBenchSettings, dtype: torch.dtype) -> tuple[list[str], dict[str, dict]]:
-    """The generation rows' table lines and each engine's forward costs for one dtype."""
+def dtype_rows(
+    s: GpuBenchSettings, dtype: torch.dtype
+) -> tuple[list[str], dict[str, dict], dict[str, list[float]]]:
+    """The generation rows' table lines, and each engine's forward costs and served
+    tokens/s, for one dtype."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -97,20 +125,24 @@ def dtype_rows(s: GpuBenchSettings, dtype: torch.dtype) -> tuple[list[str], dict
         return out[0, len(prompt) :].tolist()
 
     rows = {"transformers generate": timed(hf_generate, s.repeats)}
-    costs = {}
+    costs, served = {}, {}
+    slots = max(8, *s.sessions)
     for graphs in (False, True):
         config = EngineConfig(
-            "llama-1b-random", device=s.device, max_sessions=8, max_seq_len=1024,
+            "llama-1b-random", device=s.device, max_sessions=slots, max_seq_len=1024,
             cuda_graphs=graphs,
         )  # fmt: skip
-        engine = Engine.from_hf(hf, None, config, "llama-1b-random")
-        decoder = LocalDecoder(TargetRunner(engine, SessionTable(8)))
         name = "SpecSplit, CUDA graphs" if graphs else "SpecSplit, eager"
+        engine = Engine.from_hf(hf, None, config, "llama-1b-random")
+        decoder = LocalDecoder(TargetRunner(engine, SessionTable(slots)))
         rows[name] = timed(
             lambda d=decoder: d.generate(prompt, n, SamplingParams()).token_ids, s.repeats
         )
         costs[name] = forward_costs(engine)
         del engine, decoder
+        engine = Engine.from_hf(hf, None, config, "llama-1b-random")  # its slots all free
+        served[name] = served_rates(engine, s)
+        del engine
         torch.cuda.empty_cache()
     base, reference = rows["transformers generate"]
     eager = rows["SpecSplit, eager"][1]
@@ -121,7 +153,7 @@ def dtype_rows(s: GpuBenchSettings, dtype: torch.dtype) -> tuple[list[str], dict
             f"{base / seconds:.2f} | {shared_prefix(tokens, reference)} / {n} | "
             f"{shared_prefix(tokens, eager)} / {n} |"
         )
-    return lines, costs
+    return lines, costs, served
 
 
 def run_gpu_bench(s: GpuBenchSettings) -> str:
@@ -139,10 +171,21 @@ def run_gpu_bench(s: GpuBenchSettings) -> str:
         "One forward, median ms (bench/forward.py's shapes, behind a 130-token prefix):",
         "",
     ]
+    counts = " | ".join(f"{n} session{'s' if n > 1 else ''}" for n in s.sessions)
+    serving = [
+        "",
+        f"Served over gRPC (a target worker in this process, no draft, {s.max_tokens} new "
+        f"tokens a session, random {s.prompt_tokens}-token prompts), tokens/s:",
+        "",
+        f"| dtype | engine | {counts} |",
+        "|---|---|" + "---:|" * len(s.sessions),
+    ]
     header = False
     for name in [d.strip() for d in s.dtypes.split(",") if d.strip()]:
-        lines, costs = dtype_rows(s, getattr(torch, name))
+        lines, costs, served = dtype_rows(s, getattr(torch, name))
         generation += lines
+        for engine, rates in served.items():
+            serving.append(f"| {name} | {engine} | " + " | ".join(f"{r:.1f}" for r in rates) + " |")
         for engine, ms in costs.items():
             if not header:
                 forwards += [
@@ -153,7 +196,7 @@ def run_gpu_bench(s: GpuBenchSettings) -> str:
             forwards.append(
                 f"| {name} | {engine} | " + " | ".join(f"{v:.2f}" for v in ms.values()) + " |"
             )
-    return "\n".join(generation + forwards)
+    return "\n".join(generation + forwards + serving)
 
 
 def main(argv: list[str]) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from pydantic import Field
@@ -111,36 +111,50 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-async def run(s: BenchWorkersSettings) -> None:
-    most = max(s.sessions)
-    engine = Engine.load(EngineConfig(model=s.model, max_sessions=most))
+async def served_rows(
+    engine: Engine,
+    plans: list[Plan],
+    sessions: list[int],
+    draft: bool,
+    batch_wait_ms: float,
+) -> list[Row]:
+    """Serves `engine` as a target worker (beside an n-gram draft worker where `draft`) on
+    localhost and runs the first n plans as concurrent sessions for each n of `sessions`,
+    after a short warm-up generation."""
     worker = dict(
         host="127.0.0.1", port=0, metrics_port=0, health_port=0, drain_s=0.0, insecure=True
     )
     target_server = await serve_role(
-        "target", engine, WorkerSettings(role="target", batch_wait_ms=s.batch_wait_ms, **worker)
+        "target", engine, WorkerSettings(role="target", batch_wait_ms=batch_wait_ms, **worker)
     )
     draft_server = await serve_role("draft", None, WorkerSettings(role="draft", **worker))
     try:
         async with (
             GrpcBackend("target", f"127.0.0.1:{target_server.port}") as target,
-            GrpcBackend("draft", f"127.0.0.1:{draft_server.port}") as draft,
+            GrpcBackend("draft", f"127.0.0.1:{draft_server.port}") as drafts,
         ):
-            check_pair(await draft.info(), await target.info())
-            route = await Pair.of(target, draft if s.draft == "ngram" else None)
-            spec = TreeSpec(depth=s.tree_depth, budget=s.tree_budget)
-            plans = [
-                Plan(encode(engine.tokenizer, p), s.max_tokens, SamplingParams(), spec)
-                for p in humaneval_prompts(most)
-            ]
-            warm_up = Plan(plans[0].prompt[:32], 8, SamplingParams(), spec)
+            if draft:
+                check_pair(await drafts.info(), await target.info())
+            route = await Pair.of(target, drafts if draft else None)
+            warm_up = replace(plans[0], prompt=plans[0].prompt[:32], max_tokens=8)
             await generate(route, warm_up, uuid.uuid4().hex)
-            rows = [
-                await measure(plans[:n], route, target, draft, target_server) for n in s.sessions
+            return [
+                await measure(plans[:n], route, target, drafts, target_server) for n in sessions
             ]
     finally:
         await target_server.shutdown(0)
         await draft_server.shutdown(0)
+
+
+async def run(s: BenchWorkersSettings) -> None:
+    most = max(s.sessions)
+    engine = Engine.load(EngineConfig(model=s.model, max_sessions=most))
+    spec = TreeSpec(depth=s.tree_depth, budget=s.tree_budget)
+    plans = [
+        Plan(encode(engine.tokenizer, p), s.max_tokens, SamplingParams(), spec)
+        for p in humaneval_prompts(most)
+    ]
+    rows = await served_rows(engine, plans, s.sessions, s.draft == "ngram", s.batch_wait_ms)
     widest = max(rows, key=lambda r: r.sessions).outputs
     same = all(r.outputs == widest[: r.sessions] for r in rows)
     drafting = f"n-gram draft (depth {s.tree_depth}, budget {s.tree_budget})"
