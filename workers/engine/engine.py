@@ -242,13 +242,13 @@ class Engine:
         listed = self.model.compiled is not None
         if features is not None:
             features = features.to(self.device, next(self.model.parameters()).dtype)
-        if self.graphs is None:
-            batch = build_batch(rows, self.cache, self.device, listed)
+        graphs = self.graphs
+        widen = graphs.widen_for(sum(len(r.tokens) for r in rows)) if graphs else None
+        batch = build_batch(rows, self.cache, self.device, listed, widen)
+        if graphs is None:
             hidden = self.model.hidden(self.cache, batch, features)  # (N, E)
         else:
-            widen = self.graphs.widen_for(sum(len(r.tokens) for r in rows))
-            batch = build_batch(rows, self.cache, self.device, listed, widen)
-            hidden = self.graphs(partial(self.model.hidden, self.cache), batch, features)
+            hidden = graphs(partial(self.model.hidden, self.cache), batch, features)
         picked = torch.cat(
             [hidden[end - r.logits_for : end] for end, r in zip(batch.ends, rows, strict=True)]
         )  # (sum logits_for, E)

@@ -95,7 +95,8 @@ def served_rates(engine: Engine, s: GpuBenchSettings) -> list[float]:
         )
         for _ in range(max(s.sessions))
     ]
-    rows = asyncio.run(served_rows(engine, plans, s.sessions + s.sessions, False, 2.0))
+    counts = s.sessions + s.sessions
+    rows = asyncio.run(served_rows(engine, plans, counts, draft=False, batch_wait_ms=2.0))
     return [r.tokens / r.seconds for r in rows[len(s.sessions) :]]
 
 
@@ -166,11 +167,6 @@ def run_gpu_bench(s: GpuBenchSettings) -> str:
         "transformers | as SpecSplit eager |",
         "|---|---|---:|---:|---:|---:|",
     ]
-    forwards = [
-        "",
-        "One forward, median ms (bench/forward.py's shapes, behind a 130-token prefix):",
-        "",
-    ]
     counts = " | ".join(f"{n} session{'s' if n > 1 else ''}" for n in s.sessions)
     serving = [
         "",
@@ -180,23 +176,26 @@ def run_gpu_bench(s: GpuBenchSettings) -> str:
         f"| dtype | engine | {counts} |",
         "|---|---|" + "---:|" * len(s.sessions),
     ]
-    header = False
+    forwards = []  # (dtype, engine, {shape: ms})
     for name in [d.strip() for d in s.dtypes.split(",") if d.strip()]:
         lines, costs, served = dtype_rows(s, getattr(torch, name))
         generation += lines
+        forwards += [(name, engine, ms) for engine, ms in costs.items()]
         for engine, rates in served.items():
             serving.append(f"| {name} | {engine} | " + " | ".join(f"{r:.1f}" for r in rates) + " |")
-        for engine, ms in costs.items():
-            if not header:
-                forwards += [
-                    "| dtype | engine | " + " | ".join(ms) + " |",
-                    "|---|---|" + "---:|" * len(ms),
-                ]
-                header = True
-            forwards.append(
-                f"| {name} | {engine} | " + " | ".join(f"{v:.2f}" for v in ms.values()) + " |"
-            )
-    return "\n".join(generation + forwards + serving)
+    shapes = list(forwards[0][2])
+    forward_lines = [
+        "",
+        "One forward, median ms (bench/forward.py's shapes, behind a 130-token prefix):",
+        "",
+        "| dtype | engine | " + " | ".join(shapes) + " |",
+        "|---|---|" + "---:|" * len(shapes),
+    ]
+    forward_lines += [
+        f"| {name} | {engine} | " + " | ".join(f"{ms[k]:.2f}" for k in shapes) + " |"
+        for name, engine, ms in forwards
+    ]
+    return "\n".join(generation + forward_lines + serving)
 
 
 def main(argv: list[str]) -> None:
