@@ -4,6 +4,7 @@ the very weights of a run that never stopped."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -14,13 +15,16 @@ from safetensors.torch import load_file
 
 from tests.distill.test_distill import check_draft_bench_table, settings
 from workers.engine.eagle import draft_kind
-from workers.engine.engine import EngineConfig
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.loader import load_tokenizer
 from workers.engine.text import encode_chat
 from workers.loop.inprocess import build_local
 from workers.protocol import TreeSpec
 from workers.speculation.sampling import SamplingParams
 from workers.tools.bench import draft as draft_bench
 from workers.tools.distill import prompts
+from workers.tools.distill.data import Teacher, load_batches
+from workers.tools.distill.eagle import target_states
 from workers.tools.distill.run import distill
 
 EAGLE = dict(method="eagle", steps=6, checkpoint_every=3, lr=3e-3)
@@ -69,3 +73,28 @@ def test_an_interrupted_head_resumes_to_the_same_weights(tiny_target, tmp_path, 
     for name in ("model.safetensors", "eagle_fuse.safetensors"):
         a, b = load_file(whole / name), load_file(stopped / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_head_trains_on_the_states_the_target_had_while_answering(tiny_target, trained):
+    """The teacher keeps each answer's states from the forwards that chose its tokens; data
+    made without them get the same states from one more pass of the same engine."""
+    engine = Engine.load(EngineConfig(str(tiny_target), max_sessions=8, max_seq_len=256))
+    teacher = Teacher(engine, load_tokenizer(tiny_target))
+    kept = [e for batch in load_batches(trained[0] / "checkpoint" / "data", "train") for e in batch]
+    assert all(e.states.shape == (len(e.ids) - 1, engine.model.shape.hidden_size) for e in kept)
+    assert all(e.states.dtype == torch.bfloat16 for e in kept)
+    made_without = [dataclasses.replace(e, states=None) for e in kept[:10]]
+    for e, computed in zip(kept, target_states(lambda: teacher, made_without), strict=False):
+        torch.testing.assert_close(computed, e.states, rtol=0, atol=0)
+
+
+def test_a_head_trains_on_data_made_for_a_model_draft(tiny_target, tmp_path):
+    out, quiet = tmp_path / "from-model-data", lambda _: None
+    assert distill(settings(tiny_target, out, stop_after=0), quiet) is None  # data, no states
+    assert all(
+        e.states is None
+        for batch in load_batches(out / "checkpoint" / "data", "train")
+        for e in batch
+    )
+    report = distill(settings(tiny_target, out, **EAGLE), quiet)
+    assert draft_kind(out) == "eagle" and report["heldout"]["top1"] >= 0

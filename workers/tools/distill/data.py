@@ -43,6 +43,7 @@ class DataSpec:
     batch_size: int  # requests answered per generate call
     top_k: int  # next-token candidates kept per position
     seed: int  # picks and orders the prompts
+    states: bool = False  # keep the target's hidden states too (an EAGLE head's data)
 
     @property
     def context(self) -> int:
@@ -57,6 +58,9 @@ class Example:
     prompt_len: int  # P: the answer starts at ids[P]
     top_ids: torch.Tensor  # (N-1, k) long: the target's k most likely tokens after ids[: t+1]
     top_logp: torch.Tensor  # (N-1, k) float32: their log-probabilities, descending
+    # (N-1, E) bfloat16: the target's state (last layer, before the final norm) after each
+    # fed token, all but the last; None where the data was made without them
+    states: torch.Tensor | None = None
 
     @property
     def answer_len(self) -> int:
@@ -69,7 +73,8 @@ class Teacher:
     Every prompt gets a KV slot. One forward prefills the new prompts (logits at every
     prompt position), then one forward per step decodes every unfinished answer by one
     token; a finished answer leaves the batch, so no step is spent on padding. The logits
-    that choose each token also give the target's top-k at that position: no second pass.
+    that choose each token also give the target's top-k at that position, and the same
+    forwards the target's hidden states (kept when asked): no second pass.
     """
 
     def __init__(self, engine: Engine, tokenizer):
@@ -78,9 +83,11 @@ class Teacher:
         self.eos = tokenizer.eos_token_id
 
     @torch.inference_mode()
-    def examples(self, prompts: list[list[int]], limits: list[int], k: int) -> list[Example]:
-        """One Example per prompt: its greedy answer (up to its limit of new tokens) and
-        the top-k at every position."""
+    def examples(
+        self, prompts: list[list[int]], limits: list[int], k: int, states: bool = False
+    ) -> list[Example]:
+        """One Example per prompt: its greedy answer (up to its limit of new tokens), the
+        top-k at every position and, if `states`, the target's state after each fed token."""
         if len(prompts) > self.engine.num_slots:
             raise ValueError(f"{len(prompts)} prompts for {self.engine.num_slots} KV slots")
         longest = max(len(p) + limit for p, limit in zip(prompts, limits, strict=True))
@@ -88,13 +95,18 @@ class Teacher:
             raise ValueError(f"{longest} tokens exceed the context of {self.engine.context_length}")
         seqs = [list(p) for p in prompts]
         tops: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
+        hidden: list[list[torch.Tensor]] = [[] for _ in prompts]
 
-        def advance(indices: list[int], logits: list[torch.Tensor]) -> list[int]:
-            """Records the top-k, appends the greedy token; returns the unfinished."""
+        def advance(indices: list[int], rows: list[SlotInput]) -> list[int]:
+            """Runs `rows`, records the top-k (and states), appends the greedy token;
+            returns the unfinished."""
+            run = self.engine.run(rows)
             unfinished = []
-            for i, out in zip(indices, logits, strict=True):  # out: (T_i, V)
+            for i, out, fed in zip(indices, run.logits, run.hidden, strict=True):  # (T_i, V)
                 values, ids = out.log_softmax(-1).topk(k, dim=-1)  # (T_i, k) each
                 tops[i].append((ids, values))
+                if states:
+                    hidden[i].append(fed.to(torch.bfloat16, copy=True))  # (T_i, E)
                 seqs[i].append(int(out[-1].argmax()))  # the engine's own greedy choice
                 if seqs[i][-1] != self.eos and len(seqs[i]) - len(prompts[i]) < limits[i]:
                     unfinished.append(i)
@@ -107,19 +119,33 @@ class Teacher:
                 SlotInput(i, 0, list(range(-1, len(seqs[i]) - 1)), seqs[i], len(seqs[i]))
                 for i in group
             ]
-            live += advance(group, self.engine.forward(chains))
+            live += advance(group, chains)
         while live:  # one token for every unfinished answer per forward
-            steps = [SlotInput(i, len(seqs[i]) - 1, [-1], seqs[i][-1:]) for i in live]
-            live = advance(live, self.engine.forward(steps))
+            live = advance(live, [SlotInput(i, len(seqs[i]) - 1, [-1], seqs[i][-1:]) for i in live])
         return [
             Example(
                 ids=seq,
                 prompt_len=len(prompt),
                 top_ids=torch.cat([t[0] for t in top]),
                 top_logp=torch.cat([t[1] for t in top]),
+                states=torch.cat(fed) if states else None,
             )
-            for seq, prompt, top in zip(seqs, prompts, tops, strict=True)
+            for seq, prompt, top, fed in zip(seqs, prompts, tops, hidden, strict=True)
         ]
+
+    @torch.inference_mode()
+    def states_of(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """The target's state after each token but the last of each sequence, (N-1, E)
+        bfloat16 each: what `examples(..., states=True)` records, for data made without."""
+        found = []
+        for start in range(0, len(sequences), PREFILL_GROUP):
+            group = sequences[start : start + PREFILL_GROUP]
+            rows = [
+                SlotInput(i, 0, list(range(-1, len(ids) - 2)), ids[:-1])
+                for i, ids in enumerate(group)
+            ]
+            found += [h.to(torch.bfloat16, copy=True) for h in self.engine.run(rows).hidden]
+        return found
 
 
 def answer(teacher: Teacher, requests: list[prompt_set.Request], spec: DataSpec) -> list[Example]:
@@ -136,7 +162,8 @@ def answer(teacher: Teacher, requests: list[prompt_set.Request], spec: DataSpec)
             spec.long_new_tokens if requests[i].long and turn == 0 else spec.max_new_tokens
             for i in live
         ]
-        for i, e in zip(live, teacher.examples(ids, limits, spec.top_k), strict=True):
+        made_now = teacher.examples(ids, limits, spec.top_k, spec.states)
+        for i, e in zip(live, made_now, strict=True):
             reply = teacher.tokenizer.decode(e.ids[e.prompt_len :], skip_special_tokens=True)
             histories[i].append({"role": "assistant", "content": reply})
             made[i].append(e)

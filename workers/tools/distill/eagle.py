@@ -1,7 +1,9 @@
 """`specsplit distill --method eagle`: train an EAGLE-style feature head for a target.
 
 The data is the model method's (the target's greedy answers to templated chat
-prompts, with its top-k next-token distributions, OUT/checkpoint/data/). The
+prompts, with its top-k next-token distributions, OUT/checkpoint/data/), with the
+target's hidden states kept by the same forwards: the served engine's own states, in
+the teacher's dtype (data made without them get them from one more pass). The
 head (workers/engine/eagle.py) learns what the target computes next: fed the
 target's state at position t and token t + 1, it regresses the target's state
 at t + 1 (smooth L1, EAGLE's loss) and, read out through the target's final
@@ -19,6 +21,7 @@ Shapes: B sequences, T positions, E the target's hidden size, k top-k.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.engine.eagle import init_eagle_head, save_eagle_head
-from workers.tools.distill.data import Example, Log
+from workers.tools.distill.data import Example, Log, Teacher
 from workers.tools.distill.train import TOP, Checkpoint, Objective, TrainSpec, train
 
 CLS_WEIGHT = 0.1  # EAGLE's weight of the token loss beside the state regression
@@ -49,13 +52,14 @@ def last_layer_output(model, **inputs) -> torch.Tensor:
     return seen[0]
 
 
-@torch.no_grad()
-def target_states(target_hf, examples: list[Example]) -> list[torch.Tensor]:
-    """The target's state after every token of each example: (N, E) bfloat16 each."""
-    return [
-        last_layer_output(target_hf, input_ids=torch.tensor([e.ids]))[0].to(torch.bfloat16)
-        for e in examples
-    ]
+def target_states(teacher: Callable[[], Teacher], examples: list[Example]) -> list[torch.Tensor]:
+    """The target's state after every token but the last of each example, (N-1, E)
+    bfloat16: the ones the teacher kept while answering, or else computed now by the same
+    engine (data made without them)."""
+    missing = [i for i, e in enumerate(examples) if e.states is None]
+    found = teacher().states_of([examples[i].ids for i in missing]) if missing else []
+    computed = dict(zip(missing, found, strict=True))
+    return [computed[i] if e.states is None else e.states for i, e in enumerate(examples)]
 
 
 class EagleTrainer(nn.Module):
@@ -89,7 +93,8 @@ class EagleTrainer(nn.Module):
 
 @dataclass(frozen=True)
 class HeadBatch:
-    """Right-padded sequences; the last three fields are per predicted position 1 .. T - 1."""
+    """Right-padded sequences (each example but its last token, whose state no forward
+    computed); the last three fields are per predicted position 1 .. T - 1."""
 
     ids: torch.Tensor  # (B, T) long
     states: torch.Tensor  # (B, T, E): the target's state after each token
@@ -100,8 +105,8 @@ class HeadBatch:
 
 
 def collate(examples: list[Example], states: list[torch.Tensor]) -> HeadBatch:
-    """The batch of `examples` with their target `states` ((N, E) each)."""
-    width = max(len(e.ids) for e in examples)  # T
+    """The batch of `examples` with their target `states` ((N-1, E) each)."""
+    width = max(len(s) for s in states)  # T
     b, e_dim, k = len(examples), states[0].shape[1], examples[0].top_ids.shape[1]
     ids = torch.zeros(b, width, dtype=torch.long)
     mask = torch.zeros(b, width, dtype=torch.long)
@@ -110,12 +115,12 @@ def collate(examples: list[Example], states: list[torch.Tensor]) -> HeadBatch:
     top_p = torch.zeros(b, width - 1, k)
     answer = torch.zeros(b, width - 1, dtype=torch.bool)
     for i, (e, s) in enumerate(zip(examples, states, strict=True)):
-        n = len(e.ids)
-        ids[i, :n], mask[i, :n], feats[i, :n] = torch.tensor(e.ids), 1, s.float()
+        n = len(s)  # the first N - 1 tokens
+        ids[i, :n], mask[i, :n], feats[i, :n] = torch.tensor(e.ids[:n]), 1, s.float()
         # predicted position j + 1 guesses ids[j + 2]: the target's top-k after ids[: j + 2]
-        top_ids[i, : n - 2] = e.top_ids[1:]
-        top_p[i, : n - 2] = e.top_logp[1:].softmax(-1)
-        answer[i, max(0, e.prompt_len - 2) : n - 2] = True
+        top_ids[i, : n - 1] = e.top_ids[1:]
+        top_p[i, : n - 1] = e.top_logp[1:].softmax(-1)
+        answer[i, max(0, e.prompt_len - 2) : n - 1] = True
     return HeadBatch(ids, feats, mask, top_ids, top_p, answer)
 
 
@@ -150,34 +155,35 @@ def agreement(trainer: EagleTrainer, heldout: list[Example], states) -> dict:
 
 def train_eagle(
     target_hf,
-    examples: list[Example],
-    held: dict[str, list[Example]],
+    data: tuple[list[Example], dict[str, list[Example]]],
+    states: dict[str, list[torch.Tensor]],
     spec: TrainSpec,
     folder: Path,
     log: Log,
     stop_after: int | None = None,
 ) -> tuple[EagleTrainer, dict[str, dict]] | None:
-    """Trains (or resumes) a head; returns it and its agreement on each held-out set (the
-    log follows "heldout" as it trains), or None when it stopped at `stop_after`."""
-    log(f"eagle: the target's states over {len(examples)} sequences and the held-out sets")
-    states = target_states(target_hf, examples)
-    held_states = {split: target_states(target_hf, e) for split, e in held.items()}
+    """Trains (or resumes) a head from `target_hf`'s embedding, norm and LM head; returns
+    it and its agreement on each held-out set (the log follows "heldout" as it trains), or
+    None when it stopped at `stop_after`. `data` is (train examples, {held-out set:
+    examples}); `states` the target's states of each (`target_states`), "train" included."""
+    examples, held = data
     torch.manual_seed(spec.seed)
     trainer = EagleTrainer(target_hf, spec.seed)
 
     def loss(chosen: list[int]) -> torch.Tensor:
-        return loss_of(trainer, collate([examples[i] for i in chosen], [states[i] for i in chosen]))
+        chosen_states = [states["train"][i] for i in chosen]
+        return loss_of(trainer, collate([examples[i] for i in chosen], chosen_states))
 
     def held_out() -> tuple[float, float]:
-        result = agreement(trainer, held["heldout"], held_states["heldout"])
+        result = agreement(trainer, held["heldout"], states["heldout"])
         return result["top1"], result[f"top{TOP}"]
 
     objective = Objective(loss, held_out, label="eagle", loss_name="loss")
-    lengths = [len(e.ids) for e in examples]
+    lengths = [len(s) for s in states["train"]]
     checkpoint = Checkpoint(folder / "eagle.pt")
     if not train(trainer, lengths, spec, checkpoint, objective, log, stop_after):
         return None
-    return trainer, {split: agreement(trainer, e, held_states[split]) for split, e in held.items()}
+    return trainer, {split: agreement(trainer, e, states[split]) for split, e in held.items()}
 
 
 def export_eagle(trainer: EagleTrainer, out: Path, tokenizer_dir: Path, dtype) -> None:

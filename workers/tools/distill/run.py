@@ -35,7 +35,7 @@ from workers.engine.engine import Engine, EngineConfig
 from workers.settings import EMBEDDED_MODEL, parse, settings_config
 from workers.tools.distill import prompts as prompt_set
 from workers.tools.distill.data import HELD_OUT, DataSpec, Example, Teacher, collect, duration
-from workers.tools.distill.eagle import export_eagle, train_eagle
+from workers.tools.distill.eagle import export_eagle, target_states, train_eagle
 from workers.tools.distill.model import (
     DraftTrainer,
     choose_vocab,
@@ -134,6 +134,7 @@ def distill(s: DistillSettings, log=print) -> dict | None:
     spec = DataSpec(
         *(s.tokens, s.eval_prompts, s.max_new_tokens, s.long_new_tokens),
         *(s.gen_batch, s.top_k, s.seed),
+        states=s.method == "eagle",
     )
 
     threads = torch.get_num_threads()  # training's; the teacher's kernel takes as many
@@ -153,11 +154,14 @@ def distill(s: DistillSettings, log=print) -> dict | None:
 
     try:
         examples, held = collect(folder / "data", spec, teacher, log)
+        if s.method == "eagle":
+            states = {split: target_states(teacher, e) for split, e in held.items()}
+            states["train"] = target_states(teacher, examples)
     finally:
         loaded.pop("teacher", None)  # its engine is not needed to train
         torch.set_num_threads(threads)
     if s.method == "eagle":
-        return distill_eagle(s, target_hf(), path, examples, held, log)
+        return distill_eagle(s, target_hf(), path, (examples, held), states, log)
     kept = choose_vocab(examples, target_config.vocab_size, s.vocab_top, tokenizer.all_special_ids)
     config = draft_config(target_config, s.layers, s.hidden, s.intermediate)
     torch.manual_seed(s.seed)
@@ -202,10 +206,12 @@ def distill(s: DistillSettings, log=print) -> dict | None:
     return report
 
 
-def distill_eagle(s: DistillSettings, target_hf, path: Path, examples, held, log) -> dict | None:
-    """Trains, exports and reports an EAGLE-style head (workers/tools/distill/eagle.py)."""
+def distill_eagle(s: DistillSettings, target_hf, path: Path, data, states, log) -> dict | None:
+    """Trains, exports and reports an EAGLE-style head (workers/tools/distill/eagle.py) on
+    `data` (train examples, {held-out set: examples}) and the target's `states` of each."""
+    examples, held = data
     steps = TrainSpec(s.steps, s.batch_size, s.lr, 0.0, s.checkpoint_every, s.seed)
-    trained = train_eagle(target_hf, examples, held, steps, s.out / "checkpoint", log, s.stop_after)
+    trained = train_eagle(target_hf, data, states, steps, s.out / "checkpoint", log, s.stop_after)
     if trained is None:
         return None
     trainer, results = trained
