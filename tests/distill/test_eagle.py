@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.distill.test_distill import check_draft_bench_table, settings
-from workers.engine.eagle import draft_kind
+from workers.engine.batch import SlotInput
+from workers.engine.eagle import VOCAB_FILE, draft_kind
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.loader import load_tokenizer
 from workers.engine.text import encode_chat
@@ -98,3 +100,25 @@ def test_a_head_trains_on_data_made_for_a_model_draft(tiny_target, tmp_path):
     )
     report = distill(settings(tiny_target, out, **EAGLE), quiet)
     assert draft_kind(out) == "eagle" and report["heldout"]["top1"] >= 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_head_reads_out_only_the_ids_it_keeps(tiny_target, trained, tmp_path, dtype):
+    """--vocab-top 64 of the tiny target's 96 ids: the head's LM head holds those rows, the
+    others get -inf (never proposed), and the kept ids' logits are the full head's."""
+    out, report, _ = trained
+    kept = load_file(out / VOCAB_FILE)["ids"]
+    assert report["kept_vocab"] == len(kept) == 64 and torch.equal(kept, kept.sort().values)
+    full = tmp_path / "all-ids"
+    shutil.copytree(out, full)
+    (full / VOCAB_FILE).unlink()
+    config = dict(max_sessions=1, max_seq_len=64, dtype=dtype)
+    heads = [Engine.load(EngineConfig(str(d), **config)) for d in (out, full)]
+    assert heads[0].model.lm_head.out_features == 64
+    row = SlotInput(0, 0, [-1, 0, 1], [5, 9, 17], logits_for=3)
+    states = torch.randn(3, heads[0].model.shape.hidden_size)  # (3, E)
+    reduced, every = (h.run([row], states).logits[0] for h in heads)  # (3, V) each
+    unkept = torch.ones(every.shape[1], dtype=torch.bool)
+    unkept[kept] = False
+    assert torch.isneginf(reduced[:, unkept]).all()
+    torch.testing.assert_close(reduced[:, kept], every[:, kept], rtol=0, atol=0)

@@ -19,7 +19,7 @@ import torch
 from workers.engine.batch import SlotInput, build_batch
 from workers.engine.bf16_linear import Bf16Linear, bf16_kernel
 from workers.engine.cuda_graphs import CudaGraphs
-from workers.engine.eagle import EagleHead, draft_kind, load_fuse
+from workers.engine.eagle import EagleHead, draft_kind, load_fuse, load_vocab
 from workers.engine.kv_cache import PagedKVCache
 from workers.engine.llama import LlamaShape, NativeLlama
 from workers.engine.packed import pack_linears
@@ -116,15 +116,19 @@ class Engine:
         kernels = config.cache_dir or default_cache_dir()  # where compiled kernels are cached
         dtype = DTYPES[resolve_dtype(config.dtype, config.device, kernels)]
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(config.device).eval()
-        head = None
+        fuse = kept = None
         if draft_kind(path) == "eagle":
-            head = load_fuse(path, dtype, config.device)
-        return cls.from_hf(hf, load_tokenizer(path), config, model_id=config.model, fuse=head)
+            fuse, kept = load_fuse(path, dtype, config.device), load_vocab(path)
+        tokenizer = load_tokenizer(path)
+        return cls.from_hf(hf, tokenizer, config, model_id=config.model, fuse=fuse, kept=kept)
 
     @classmethod
-    def from_hf(cls, hf_model, tokenizer, config: EngineConfig, model_id: str, fuse=None) -> Engine:
+    def from_hf(
+        cls, hf_model, tokenizer, config: EngineConfig, model_id: str, fuse=None, kept=None
+    ) -> Engine:
         """An engine over a transformers model; with `fuse` (an EAGLE head's E*2 -> E linear,
-        workers/engine/eagle.py) the model is that head's one layer, fed target states."""
+        workers/engine/eagle.py) the model is that head's one layer, fed target states,
+        reading out the target ids `kept` ((K,), None = all)."""
         from workers.engine.loader import default_cache_dir
 
         shape = LlamaShape.from_config(hf_model.config)
@@ -147,7 +151,7 @@ class Engine:
         if fuse is None:
             model = NativeLlama(hf_model, compiled).eval()
         else:
-            model = EagleHead(hf_model, fuse, compiled).eval()
+            model = EagleHead(hf_model, fuse, compiled, kept).eval()
         if config.pack_weights:
             pack_linears(model, kernel)
         if config.compiled_blocks and kernel is not None and compiled is not None:

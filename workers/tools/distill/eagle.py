@@ -135,15 +135,19 @@ def loss_of(trainer: EagleTrainer, b: HeadBatch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def agreement(trainer: EagleTrainer, heldout: list[Example], states) -> dict:
+def agreement(trainer: EagleTrainer, heldout: list[Example], states, kept: torch.Tensor) -> dict:
     """How often the head's top-1 / top-TOP holds the target's greedy token on answer
-    positions, fed the target's states (as served: one head step after committed tokens)."""
+    positions, fed the target's states, reading out the `kept` (K,) ids only (as served:
+    one head step after committed tokens)."""
+    unkept = torch.ones(trainer.head.config.vocab_size, dtype=torch.bool)  # (V,)
+    unkept[kept] = False
     trainer.eval()
     hits1 = hits3 = positions = 0
     for e, s in zip(heldout, states, strict=True):
         b = collate([e], [s])
         predicted = trainer(b.ids, b.states, b.mask)[b.answer]  # (P, E)
         logits = trainer.head.lm_head(trainer.head.model.norm(predicted))  # (P, V)
+        logits[:, unkept] = float("-inf")
         guesses = logits.topk(TOP, dim=-1).indices  # (P, TOP)
         greedy = b.top_ids[b.answer][:, 0]  # (P,)
         hits1 += int((guesses[:, 0] == greedy).sum())
@@ -157,6 +161,7 @@ def train_eagle(
     target_hf,
     data: tuple[list[Example], dict[str, list[Example]]],
     states: dict[str, list[torch.Tensor]],
+    kept: torch.Tensor,
     spec: TrainSpec,
     folder: Path,
     log: Log,
@@ -165,7 +170,8 @@ def train_eagle(
     """Trains (or resumes) a head from `target_hf`'s embedding, norm and LM head; returns
     it and its agreement on each held-out set (the log follows "heldout" as it trains), or
     None when it stopped at `stop_after`. `data` is (train examples, {held-out set:
-    examples}); `states` the target's states of each (`target_states`), "train" included."""
+    examples}); `states` the target's states of each (`target_states`), "train" included;
+    agreement reads out the `kept` (K,) target ids, as the exported head will."""
     examples, held = data
     torch.manual_seed(spec.seed)
     trainer = EagleTrainer(target_hf, spec.seed)
@@ -175,7 +181,7 @@ def train_eagle(
         return loss_of(trainer, collate([examples[i] for i in chosen], chosen_states))
 
     def held_out() -> tuple[float, float]:
-        result = agreement(trainer, held["heldout"], states["heldout"])
+        result = agreement(trainer, held["heldout"], states["heldout"], kept)
         return result["top1"], result[f"top{TOP}"]
 
     objective = Objective(loss, held_out, label="eagle", loss_name="loss")
@@ -183,14 +189,18 @@ def train_eagle(
     checkpoint = Checkpoint(folder / "eagle.pt")
     if not train(trainer, lengths, spec, checkpoint, objective, log, stop_after):
         return None
-    return trainer, {split: agreement(trainer, e, states[split]) for split, e in held.items()}
+    return trainer, {split: agreement(trainer, e, states[split], kept) for split, e in held.items()}
 
 
-def export_eagle(trainer: EagleTrainer, out: Path, tokenizer_dir: Path, dtype) -> None:
-    """Writes `out` as a head directory (workers/engine/eagle.py) with the target's tokenizer."""
+def export_eagle(
+    trainer: EagleTrainer, out: Path, tokenizer_dir: Path, dtype, kept: torch.Tensor
+) -> None:
+    """Writes `out` as a head directory (workers/engine/eagle.py) with the target's tokenizer,
+    its LM head reading out the `kept` (K,) target ids (all V: no vocabulary file)."""
     trainer.head.to(dtype)
     trainer.fuse.to(dtype)
-    save_eagle_head(out, trainer.head, trainer.fuse)
+    every = len(kept) == trainer.head.config.vocab_size
+    save_eagle_head(out, trainer.head, trainer.fuse, kept=None if every else kept)
     for name in TOKENIZER_FILES:  # copied as they are: the tokenizer fingerprints must match
         if (tokenizer_dir / name).is_file():
             (out / name).write_bytes((tokenizer_dir / name).read_bytes())

@@ -64,7 +64,8 @@ TRAIN_RECIPE = (
     *("layers", "hidden", "intermediate", "vocab_top", "tokens", "eval_prompts", "steps"),
     *("batch_size", "lr", "prompt_weight"),
 )
-EAGLE_RECIPE = ("method", "steps", "batch_size", "lr")  # what an EAGLE head's training depends on
+# what an EAGLE head's training (and its kept vocabulary) depends on
+EAGLE_RECIPE = ("method", "steps", "batch_size", "lr", "vocab_top")
 
 
 class DistillSettings(BaseSettings):
@@ -74,13 +75,18 @@ class DistillSettings(BaseSettings):
     method: Literal["model", "eagle"] = Field(
         "model",
         description="model: a small LM (--layers, --hidden, --vocab-top); eagle: an EAGLE-style "
-        "feature head, one layer fed the target's hidden states (workers/engine/eagle.py)",
+        "feature head, one layer fed the target's hidden states, reading out --vocab-top "
+        "target ids (workers/engine/eagle.py)",
     )
     out: Path = Field(description="draft directory to write; checkpoints go to OUT/checkpoint")
     layers: int = Field(2, ge=1, description="decoder layers (the target's first ones)")
     hidden: int = Field(144, ge=1, description="draft width, a multiple of the target's heads")
     intermediate: int = Field(0, ge=0, description="MLP width; 0 = the target's")
-    vocab_top: int = Field(8192, ge=0, description="target ids given draft rows; 0 = all")
+    vocab_top: int = Field(
+        8192,
+        ge=0,
+        description="target ids given draft rows (a model's embedding, a head's LM head); 0 = all",
+    )
     tokens: int = Field(100000, ge=1, description="target answer tokens to train on")
     eval_prompts: int = Field(
         32, ge=1, description="requests of each held-out set for the agreement report"
@@ -160,9 +166,9 @@ def distill(s: DistillSettings, log=print) -> dict | None:
     finally:
         loaded.pop("teacher", None)  # its engine is not needed to train
         torch.set_num_threads(threads)
-    if s.method == "eagle":
-        return distill_eagle(s, target_hf(), path, (examples, held), states, log)
     kept = choose_vocab(examples, target_config.vocab_size, s.vocab_top, tokenizer.all_special_ids)
+    if s.method == "eagle":
+        return distill_eagle(s, target_hf(), path, (examples, held), states, kept, log)
     config = draft_config(target_config, s.layers, s.hidden, s.intermediate)
     torch.manual_seed(s.seed)
     trainer = DraftTrainer(config, kept)
@@ -206,18 +212,22 @@ def distill(s: DistillSettings, log=print) -> dict | None:
     return report
 
 
-def distill_eagle(s: DistillSettings, target_hf, path: Path, data, states, log) -> dict | None:
+def distill_eagle(
+    s: DistillSettings, target_hf, path: Path, data, states, kept, log
+) -> dict | None:
     """Trains, exports and reports an EAGLE-style head (workers/tools/distill/eagle.py) on
-    `data` (train examples, {held-out set: examples}) and the target's `states` of each."""
+    `data` (train examples, {held-out set: examples}) and the target's `states` of each,
+    its LM head keeping the target ids `kept` (K,)."""
     examples, held = data
     steps = TrainSpec(s.steps, s.batch_size, s.lr, 0.0, s.checkpoint_every, s.seed)
-    trained = train_eagle(target_hf, data, states, steps, s.out / "checkpoint", log, s.stop_after)
+    folder = s.out / "checkpoint"
+    trained = train_eagle(target_hf, data, states, kept, steps, folder, log, s.stop_after)
     if trained is None:
         return None
     trainer, results = trained
-    export_eagle(trainer, s.out, path, SAVE_DTYPES[s.save_dtype])
-    checkpoint = Checkpoint(s.out / "checkpoint" / "eagle.pt")
-    report = write_report(s, examples, checkpoint, EAGLE_RECIPE, **results)
+    export_eagle(trainer, s.out, path, SAVE_DTYPES[s.save_dtype], kept)
+    checkpoint = Checkpoint(folder / "eagle.pt")
+    report = write_report(s, examples, checkpoint, EAGLE_RECIPE, kept_vocab=len(kept), **results)
     for split, result in results.items():
         log(
             f"done: agreement of the head (fed the target's states) with the target's greedy "
