@@ -58,12 +58,18 @@ def test_a_trained_head_speculates_losslessly_and_learns(tiny_target, trained):
     assert sum(r.stats.draft_tokens for r in runs) > 0
 
 
-def test_the_draft_bench_measures_a_head(tiny_target, trained):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_draft_bench_measures_a_head(tiny_target, trained, dtype):
     settings_ = draft_bench.DraftBenchSettings(
-        target_model=str(tiny_target), draft_model=str(trained[0]), prompts=2, max_tokens=8
+        target_model=str(tiny_target),
+        draft_model=str(trained[0]),
+        prompts=2,
+        max_tokens=8,
+        dtype=dtype,
     )
     table = draft_bench.run(settings_)
     check_draft_bench_table(table)
+    assert f", {dtype}; load average" in table
 
 
 def test_an_interrupted_head_resumes_to_the_same_weights(tiny_target, tmp_path, trained):

@@ -18,9 +18,11 @@ and on the `heldout` set:
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -60,6 +62,9 @@ class DraftBenchSettings(BaseSettings):
     small_budget: int = Field(6, ge=1, description="its most nodes per round")
     cost_repeats: int = Field(40, ge=1, description="timed 1-token forwards per model")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = torch's default")
+    dtype: Literal["float32", "bfloat16", "auto"] = Field(
+        "float32", description="both models' dtype (auto as `specsplit serve --dtype auto`)"
+    )
     out: Path | None = Field(None, description="Markdown file to write (default: print only)")
 
 
@@ -147,9 +152,9 @@ def run(s: DraftBenchSettings) -> str:
     if s.threads:
         torch.set_num_threads(s.threads)
     load_before = load_words()
-    config = EngineConfig(model=s.target_model, max_sessions=2, max_seq_len=1024)
+    config = EngineConfig(model=s.target_model, max_sessions=2, max_seq_len=1024, dtype=s.dtype)
     target = Engine.load(config)
-    draft = Engine.load(EngineConfig(model=s.draft_model, max_sessions=2, max_seq_len=1024))
+    draft = Engine.load(dataclasses.replace(config, model=s.draft_model))
     stops = stop_token_ids(target.tokenizer)
     tree = TreeSpec(depth=s.tree_depth, branching=s.tree_branching, budget=s.tree_budget)
     sets = {split: prompts.take(split, s.prompt_seed, s.prompts) for split in HELD_OUT}
@@ -211,6 +216,7 @@ def run(s: DraftBenchSettings) -> str:
         s.cost_repeats,
     )
     load_after = load_words()
+    dtype = str(target.model.embed.weight.dtype).removeprefix("torch.")
 
     base = totals["speculation off"]["tokens"] / totals["speculation off"]["s"]
     lines = [
@@ -218,7 +224,7 @@ def run(s: DraftBenchSettings) -> str:
         f"{s.prompts} one-turn prompts of each held-out set (`prompts.take(SET, "
         f"{s.prompt_seed}, {s.prompts})`), {s.max_tokens} new tokens each, greedy. Trees are "
         f"written depth/branching/budget; {_shape(tree)} is `TreeSpec()`, the default.",
-        f"Machine: {describe()}, float32; load average before {load_before}, after {load_after}.",
+        f"Machine: {describe()}, {dtype}; load average before {load_before}, after {load_after}.",
         "",
         "(a) agreement with the target's greedy token: teacher-forced on the target's answers, "
         "and in the loop (a one-token chain every round: accepted / proposed)",
