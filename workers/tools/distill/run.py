@@ -225,7 +225,7 @@ def distill_eagle(
     if trained is None:
         return None
     trainer, results = trained
-    export_eagle(trainer, s.out, path, SAVE_DTYPES[s.save_dtype], kept)
+    export_eagle(trainer, s.out, path, SAVE_DTYPES[s.save_dtype])
     checkpoint = Checkpoint(folder / "eagle.pt")
     report = write_report(s, examples, checkpoint, EAGLE_RECIPE, kept_vocab=len(kept), **results)
     for split, result in results.items():
