@@ -84,15 +84,17 @@ class EagleTrainer(nn.Module):
         self.slot_of[kept] = torch.arange(len(kept))
 
     def forward(self, ids, states, mask) -> torch.Tensor:
-        """The predicted state at positions 1 .. T - 1 from (state t, token t + 1) pairs.
+        """The predicted state after each token, fed as served: token t with the target's
+        state at t - 1, the first token with zeros (no state precedes it), so the served
+        head's first cache entry is one training saw.
 
-        ids, mask: (B, T) long; states: (B, T, E) the target's -> (B, T - 1, E)
+        ids, mask: (B, T) long; states: (B, T, E) the target's -> (B, T, E)
         """
-        embeds = self.head.model.embed_tokens(ids[:, 1:])  # (B, T-1, E)
-        x = self.fuse(torch.cat([states[:, :-1], embeds], dim=-1))  # (B, T-1, E)
-        positions = torch.arange(1, ids.shape[1])[None].expand(ids.shape[0], -1)  # (B, T-1)
+        before = torch.cat([torch.zeros_like(states[:, :1]), states[:, :-1]], dim=1)  # (B, T, E)
+        x = self.fuse(torch.cat([before, self.head.model.embed_tokens(ids)], dim=-1))
+        positions = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)  # (B, T)
         return last_layer_output(
-            self.head, inputs_embeds=x, position_ids=positions, attention_mask=mask[:, 1:]
+            self.head, inputs_embeds=x, position_ids=positions, attention_mask=mask
         )
 
     def kept_logits(self, predicted: torch.Tensor) -> torch.Tensor:
@@ -104,14 +106,14 @@ class EagleTrainer(nn.Module):
 @dataclass(frozen=True)
 class HeadBatch:
     """Right-padded sequences (each example but its last token, whose state no forward
-    computed); the last three fields are per predicted position 1 .. T - 1."""
+    computed); position t's prediction guesses token t + 1."""
 
     ids: torch.Tensor  # (B, T) long
     states: torch.Tensor  # (B, T, E): the target's state after each token
     mask: torch.Tensor  # (B, T) long: 1 on real tokens
-    top_ids: torch.Tensor  # (B, T-1, k) long: the target's top-k after the next token
-    top_p: torch.Tensor  # (B, T-1, k): their renormalised probabilities
-    answer: torch.Tensor  # (B, T-1) bool: the position guesses an answer token
+    top_ids: torch.Tensor  # (B, T, k) long: the target's top-k after each token
+    top_p: torch.Tensor  # (B, T, k): their renormalised probabilities
+    answer: torch.Tensor  # (B, T) bool: the position guesses an answer token
 
 
 def collate(examples: list[Example], states: list[torch.Tensor]) -> HeadBatch:
@@ -121,16 +123,15 @@ def collate(examples: list[Example], states: list[torch.Tensor]) -> HeadBatch:
     ids = torch.zeros(b, width, dtype=torch.long)
     mask = torch.zeros(b, width, dtype=torch.long)
     feats = torch.zeros(b, width, e_dim)
-    top_ids = torch.zeros(b, width - 1, k, dtype=torch.long)
-    top_p = torch.zeros(b, width - 1, k)
-    answer = torch.zeros(b, width - 1, dtype=torch.bool)
+    top_ids = torch.zeros(b, width, k, dtype=torch.long)
+    top_p = torch.zeros(b, width, k)
+    answer = torch.zeros(b, width, dtype=torch.bool)
     for i, (e, s) in enumerate(zip(examples, states, strict=True)):
-        n = len(s)  # the first N - 1 tokens
+        n = len(s)  # the first N - 1 tokens; position t guesses ids[t + 1]
         ids[i, :n], mask[i, :n], feats[i, :n] = torch.tensor(e.ids[:n]), 1, s.float()
-        # predicted position j + 1 guesses ids[j + 2]: the target's top-k after ids[: j + 2]
-        top_ids[i, : n - 1] = e.top_ids[1:]
-        top_p[i, : n - 1] = e.top_logp[1:].softmax(-1)
-        answer[i, max(0, e.prompt_len - 2) : n - 1] = True
+        top_ids[i, :n] = e.top_ids
+        top_p[i, :n] = e.top_logp.softmax(-1)
+        answer[i, max(0, e.prompt_len - 1) : n] = True
     return HeadBatch(ids, feats, mask, top_ids, top_p, answer)
 
 
@@ -138,9 +139,9 @@ def loss_of(trainer: EagleTrainer, b: HeadBatch) -> torch.Tensor:
     """Smooth L1 to the target's next state plus CLS_WEIGHT x the token loss: the kept
     ids' softmax against the target's top-k (its unkept ones, which the head can never
     propose, left out)."""
-    predicted = trainer(b.ids, b.states, b.mask)  # (B, T-1, E)
-    valid = b.mask[:, 1:] > 0  # (B, T-1)
-    regression = F.smooth_l1_loss(predicted[valid], b.states[:, 1:][valid])
+    predicted = trainer(b.ids, b.states, b.mask)  # (B, T, E)
+    valid = b.mask > 0  # (B, T)
+    regression = F.smooth_l1_loss(predicted[valid], b.states[valid])
     logp = trainer.kept_logits(predicted[b.answer]).log_softmax(-1)  # (P, K)
     slots = trainer.slot_of[b.top_ids[b.answer]]  # (P, k): -1 where not kept
     p = b.top_p[b.answer] * (slots >= 0)  # (P, k)
