@@ -147,6 +147,23 @@ def test_the_target_returns_its_states_of_the_committed_positions():
     assert plain.hidden is None  # nobody asked: nothing is sent
 
 
+def test_a_feature_session_gets_the_states_of_a_prefix_another_session_cached():
+    """Prefix caching shares KV blocks, not states: a session that asks for states feeds a
+    shared prefix again, so its draft gets every prompt position's state, not zeros."""
+    engine = tiny_engine(seed=0, slots=3)
+    runner = TargetRunner(engine, SessionTable(3))
+    prompt = [(7 * i + 3) % 90 + 1 for i in range(40)]  # 2.5 KV blocks
+    (plain,) = runner.verify([VerifyCall("a", 0, prompt, TokenTree.empty(), GREEDY)])
+    shared = VerifyCall("b", 0, prompt, TokenTree.empty(), GREEDY)
+    assert runner.verify([shared])[0].prefix_hit > 0  # the prefix is shared
+    call = VerifyCall("c", 0, prompt, TokenTree.empty(), GREEDY, return_hidden=True)
+    (fed,) = runner.verify([call])
+    assert fed.prefix_hit == 0 and fed.emitted == plain.emitted
+    assert fed.hidden.start == 0 and fed.hidden.end == len(prompt)
+    (alone,) = TargetRunner(tiny_engine(seed=0, slots=1), SessionTable(1)).verify([call])
+    assert torch.equal(fed.hidden.states, alone.hidden.states)
+
+
 def test_a_long_prefill_returns_only_its_newest_states_within_the_byte_budget():
     prompt = PROMPTS[1]  # 12 tokens; a budget of 5 rows of 64 bfloat16 values
     runner = TargetRunner(tiny_engine(seed=0, slots=2), SessionTable(2), hidden_bytes=5 * 128)

@@ -116,10 +116,13 @@ class TargetRunner:
         synced = self.table.sync(
             call.session_id, call.base_len, call.tokens, busy, salt=call.cache_salt
         )
-        session = synced.session
+        session, hit = synced.session, synced.prefix_hit
+        if call.return_hidden and hit:  # a feature draft needs the shared prefix's states too:
+            self.table.rewind(session, 0)  # feed it again (the KV holds no states)
+            hit = 0
         if session.cached == len(session.committed):  # the root must be fed for its logits
             self.table.rewind(session, session.cached - 1)
-        return session, synced.prefix_hit
+        return session, hit
 
     def verify(self, calls: list[VerifyCall]) -> list[VerifyOutcome | Unfinished | Exception]:
         """Verifies every call in one forward; a bad call gets its own exception, a call
