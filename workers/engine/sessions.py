@@ -95,15 +95,18 @@ class SessionTable:
         busy: set[str] = frozenset(),
         rollback: bool = False,
         salt: str = "",
+        reuse: bool = True,
     ) -> SyncResult:
         """Brings a session up to `base_len` + `tokens`; see the module docstring.
 
         With `rollback`, a session holding more than `base_len` tokens first
         drops the tokens past it: a draft's history may run ahead on a guess
         (the gateway's overlapped loop), and a draft cannot affect the output.
+        Without `reuse`, a (re)started session feeds its whole history: nothing
+        cached, its own or shared, stands in for it.
         """
         if base_len == 0:
-            return self.restart(session_id, tokens, busy, salt)
+            return self.restart(session_id, tokens, busy, salt, reuse)
         session = self.get(session_id)
         if rollback and len(session.committed) > base_len:
             del session.committed[base_len:]
@@ -120,7 +123,12 @@ class SessionTable:
         return SyncResult(session, 0)
 
     def restart(
-        self, session_id: str, history: list[int], busy: set[str], salt: str = ""
+        self,
+        session_id: str,
+        history: list[int],
+        busy: set[str],
+        salt: str = "",
+        reuse: bool = True,
     ) -> SyncResult:
         if not history:
             raise ValueError("a session cannot start from an empty history")
@@ -130,10 +138,12 @@ class SessionTable:
             self.sessions[session_id] = session
         hit = common_prefix(session.committed[: session.cached], history)
         hit = min(hit, len(history) - 1)  # the last token is fed again for its logits
-        if session.salt != salt:  # what it cached was under another salt: none of it is its
+        if session.salt != salt or not reuse:  # under another salt, none of it is its own
             hit = 0
-        if self.cache is not None:
+        if self.cache is not None and reuse:
             hit = self.cache.adopt(session.slot, history, hit, salt)
+        elif self.cache is not None:  # no shared blocks either
+            hit = self.cache.rewind(session.slot, 0)
         session.committed, session.cached, session.salt = list(history), hit, salt
         self.restart_tokens += len(history)
         self.hit_tokens += hit

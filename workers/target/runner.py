@@ -113,16 +113,20 @@ class TargetRunner:
                 f"session {call.session_id!r} would exceed the context of "
                 f"{self.engine.context_length} tokens"
             )
+        # a feature draft needs every prompt position's state, and cached KV holds none:
+        # a session that asks for states feeds its whole history when it (re)starts
         synced = self.table.sync(
-            call.session_id, call.base_len, call.tokens, busy, salt=call.cache_salt
+            call.session_id,
+            call.base_len,
+            call.tokens,
+            busy,
+            salt=call.cache_salt,
+            reuse=not call.return_hidden,
         )
-        session, hit = synced.session, synced.prefix_hit
-        if call.return_hidden and hit:  # a feature draft needs the shared prefix's states too:
-            self.table.rewind(session, 0)  # feed it again (the KV holds no states)
-            hit = 0
+        session = synced.session
         if session.cached == len(session.committed):  # the root must be fed for its logits
             self.table.rewind(session, session.cached - 1)
-        return session, hit
+        return session, synced.prefix_hit
 
     def verify(self, calls: list[VerifyCall]) -> list[VerifyOutcome | Unfinished | Exception]:
         """Verifies every call in one forward; a bad call gets its own exception, a call
