@@ -83,6 +83,51 @@ async def test_feature_draft_greedy_over_a_small_vocabulary_accepts_paths(transp
     assert accepted >= 10
 
 
+class FullWidth:
+    """An engine whose forwards spread their logits over the whole vocabulary (-inf off the
+    kept ids) whatever they ask: how drafters read a head before they took its K columns."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def run(self, rows, features=None, kept=False):
+        return self.engine.run(rows, features)  # (logits_for, V) per row
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_head_keeping_some_ids_proposes_what_its_full_width_logits_say(temperature):
+    """Levels read out over the kept ids alone (K columns mapped back to target ids) give
+    the trees, q rows included, that the -inf-spread (V,) logits give."""
+    kept = torch.arange(1, 96, 3)  # 32 of the 96 ids, none at its own column
+    spec = TreeSpec(depth=3, branching=2, budget=6, temperature=temperature, seed=7)
+    history = PROMPTS[1]
+    states = Features(
+        0,
+        torch.randn(len(history), 64, generator=torch.Generator().manual_seed(3)).to(FEATURE_DTYPE),
+    )
+    trees = []
+    for full_width in (False, True):
+        head, fuse = init_eagle_head(tiny_hf_model(seed=0), seed=100)
+        config = EngineConfig(max_sessions=2, max_seq_len=256)
+        engine = Engine.from_hf(head, None, config, "eagle", fuse=fuse, kept=kept)
+        drafter = FeatureDrafter(FullWidth(engine) if full_width else engine, SessionTable(2))
+        if full_width:
+            drafter.ids = None  # its columns are the target ids
+        (tree,) = drafter.propose([ProposeCall("s", 0, history, spec, features=states)])
+        trees.append(tree)
+    fast, spread = trees
+    assert len(fast) == 6 and set(fast.tokens.tolist()) <= set(kept.tolist())
+    assert torch.equal(fast.tokens, spread.tokens) and torch.equal(fast.parents, spread.parents)
+    if temperature:
+        assert torch.equal(fast.q_tokens, spread.q_tokens)
+        torch.testing.assert_close(fast.q_probs, spread.q_probs)
+    else:
+        assert fast.q_tokens is None and spread.q_tokens is None
+
+
 class Recording(FeatureDrafter):
     """Records the states each level-0 forward pairs the committed tokens with."""
 

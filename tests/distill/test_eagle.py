@@ -128,3 +128,5 @@ def test_the_head_reads_out_only_the_ids_it_keeps(tiny_target, trained, tmp_path
     unkept[kept] = False
     assert torch.isneginf(reduced[:, unkept]).all()
     torch.testing.assert_close(reduced[:, kept], every[:, kept], rtol=0, atol=0)
+    columns = heads[0].run([row], states, kept=True).logits[0]  # (3, K): the kept ids' alone
+    torch.testing.assert_close(columns, reduced[:, kept], rtol=0, atol=0)

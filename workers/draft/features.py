@@ -61,7 +61,8 @@ class FeatureDrafter(ModelDrafter):
         fed = [self.inputs(x, len(r.tokens)) for x, r in zip(expansions, rows, strict=True)]
         for call, chunk in chunks:  # committed tokens at positions prefix_len, prefix_len + 1, ...
             fed.append(self.states(call, chunk.prefix_len, len(chunk.tokens)))
-        out = self.engine.run(rows + [r for _, r in chunks], torch.cat(fed))  # fed: (N, E)
+        states = torch.cat(fed)  # (N, E): the state paired with each fed token, rows in order
+        out = self.engine.run(rows + [r for _, r in chunks], states, kept=True)
         for x, row, hidden in zip(expansions, rows, out.hidden, strict=False):
             # hidden: (T, E); the last logits_for rows are the states after the plan's nodes
             for node, state in zip(x.plan, hidden[-row.logits_for :], strict=True):

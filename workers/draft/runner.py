@@ -74,6 +74,9 @@ class ModelDrafter:
         table.attach(engine.cache)
         self.prefill_chunk = prefill_chunk  # most history tokens fed per step; None = all
         self.chunking: dict[str, ProposeCall] = {}  # session -> its call being prefilled
+        # (K,) the target id each logits column stands for (forwards read out the LM head's
+        # kept rows alone); None = column i is id i
+        self.ids = None if engine.model.kept is None else engine.model.kept.cpu()
 
     def sync(self, call: ProposeCall, busy: set[str]) -> Session:
         """Checks the call and brings its session up to date, unless this is its next chunk."""
@@ -168,8 +171,9 @@ class ModelDrafter:
         self, expansions: list[Expansion], chunks: list[tuple[ProposeCall, SlotInput]]
     ) -> list[torch.Tensor]:
         """One level for every expansion, with the prefill chunks fed beside it: logits
-        (len(plan), V) per expansion in plan order, then (0, V) per chunk."""
-        return self.engine.forward([self.row(x) for x in expansions] + [r for _, r in chunks])
+        (len(plan), K) per expansion in plan order (over `ids`), then (0, K) per chunk."""
+        rows = [self.row(x) for x in expansions] + [r for _, r in chunks]
+        return self.engine.run(rows, kept=True).logits
 
     def row(self, x: Expansion) -> SlotInput:
         """Feeds the nodes to expand (the pending tokens at level 0)."""
@@ -192,14 +196,17 @@ class ModelDrafter:
         )
 
     def grow(self, x: Expansion, logits: torch.Tensor) -> None:
-        # logits: (len(plan), V), one row per node to expand, in plan order
+        # logits: (len(plan), K), one row per node to expand, in plan order, over `ids`
         params = x.call.spec.params
         for (node, k), row in zip(x.plan.items(), logits, strict=True):
             if k == 0:
                 continue
             temperature = params.temperature if not params.greedy else 1.0
-            probs = torch.softmax(tempered(row.float(), temperature), dim=-1)  # (V,)
+            probs = torch.softmax(tempered(row.float(), temperature), dim=-1)  # (K,)
             tokens, q_tokens, q_probs, logps = choose_children(probs, k, params, x.generator)
+            if self.ids is not None:  # columns -> target ids; off the kept ids q is 0
+                tokens = self.ids[tokens]
+                q_tokens = None if q_tokens is None else self.ids[q_tokens]
             for j in range(len(tokens)):
                 child = x.builder.add(
                     node,

@@ -91,7 +91,6 @@ class EagleHead(NativeLlama):
                 f"{fuse.in_features} -> {fuse.out_features}"
             )
         self.fuse = fuse
-        self.kept = None
         if kept is not None:
             weight = self.lm_head.weight.detach()  # (V, E)
             if kept.ndim != 1 or not 0 < len(kept) <= len(weight) or int(kept.max()) >= len(weight):
@@ -99,15 +98,6 @@ class EagleHead(NativeLlama):
             self.kept = kept.to(weight.device, torch.long)  # (K,)
             self.lm_head = nn.Linear(weight.shape[1], len(kept), bias=False, device="meta")
             self.lm_head.weight = nn.Parameter(weight[self.kept].clone(), requires_grad=False)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: (..., E) -> (..., V) float32, -inf off the kept ids
-        small = super().logits(hidden)  # (..., K)
-        if self.kept is None:
-            return small
-        full = small.new_full((*small.shape[:-1], self.shape.vocab_size), float("-inf"))
-        full[..., self.kept] = small
-        return full
 
     def inputs(self, batch: ForwardBatch, features: torch.Tensor | None) -> torch.Tensor:
         # features: (N, E), the state paired with each new token -> (N, E)

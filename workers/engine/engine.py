@@ -92,7 +92,9 @@ class EngineConfig:
 class Forward:
     """What one forward gives each row."""
 
-    logits: list[torch.Tensor]  # (logits_for_b, V) float32 per row: its trailing tokens'
+    # (logits_for_b, V) float32 per row: its trailing tokens' (K wide, one per model.kept id,
+    # where the forward ran with `kept`)
+    logits: list[torch.Tensor]
     hidden: list[torch.Tensor]  # (T_b, E) per row: each fed token's state before the final norm
 
 
@@ -244,9 +246,13 @@ class Engine:
         return self.run(rows).logits
 
     @torch.inference_mode()
-    def run(self, rows: list[SlotInput], features: torch.Tensor | None = None) -> Forward:
+    def run(
+        self, rows: list[SlotInput], features: torch.Tensor | None = None, kept: bool = False
+    ) -> Forward:
         """`forward`, also returning every fed token's hidden state. `features` (N, E), the
-        rows' tokens in order: the target states a feature draft pairs them with."""
+        rows' tokens in order: the target states a feature draft pairs them with. With
+        `kept`, logits only over the ids the LM head keeps (`model.kept`; all where None),
+        not spread over the vocabulary."""
         for r in rows:
             self.cache.reserve(r.slot, r.prefix_len + len(r.parents))
         listed = self.model.compiled is not None
@@ -262,7 +268,8 @@ class Engine:
         picked = torch.cat(
             [hidden[end - r.logits_for : end] for end, r in zip(batch.ends, rows, strict=True)]
         )  # (sum logits_for, E)
-        logits = self.model.logits(picked)  # (sum logits_for, V)
+        readout = self.model.readout if kept else self.model.logits
+        logits = readout(picked)  # (sum logits_for, V or K)
         if self.device.type != "cpu":  # the runners verify and sample on the CPU
             logits, hidden = logits.cpu(), hidden.cpu()
         return Forward(

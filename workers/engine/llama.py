@@ -243,6 +243,7 @@ class NativeLlama(nn.Module):
         self.compiled_blocks: Callable | None = None
 
     takes_features = False  # whether its input pairs each token with a target hidden state
+    kept: torch.Tensor | None = None  # (K,) the ids its LM head's rows read out; None = all V
 
     @property
     def prompt_token_share(self) -> float:
@@ -277,6 +278,15 @@ class NativeLlama(nn.Module):
             x, delta = block(x, delta, cos, sin, cache, batch)
         return x if delta is None else x + delta
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: (..., E), before the final norm -> (..., V) in float32
+    def readout(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: (..., E), before the final norm -> (..., K) float32, one per `kept` id
         return self.lm_head(rms_norm(hidden, self.norm, self.shape.rms_norm_eps)).float()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: (..., E), before the final norm -> (..., V) float32, -inf off the kept ids
+        small = self.readout(hidden)  # (..., K)
+        if self.kept is None:
+            return small
+        full = small.new_full((*small.shape[:-1], self.shape.vocab_size), float("-inf"))
+        full[..., self.kept] = small
+        return full

@@ -154,9 +154,9 @@ class MeteredEngine:
         self._on_forward(rows)
         return self._engine.forward(rows)
 
-    def run(self, rows: list[SlotInput], features=None):
+    def run(self, rows: list[SlotInput], features=None, kept: bool = False):
         self._on_forward(rows)
-        return self._engine.run(rows, features)
+        return self._engine.run(rows, features, kept)
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
