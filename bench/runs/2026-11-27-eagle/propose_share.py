@@ -1,4 +1,16 @@
-import time, torch, sys, dataclasses
+"""The drafter's share of a round in the loop (bench/DRAFT.md, "Twice the steps").
+
+python propose_share.py HEAD_DIR, from the repository root: the in-process loop over the
+bfloat16 target and a feature draft, tree 3/2/6, 4 unlike prompts, 64 tokens, three passes;
+prints tokens/s, ms a round, ms the drafter's propose took a round, tokens a round.
+"""
+
+import dataclasses
+import sys
+import time
+
+import torch
+
 from workers.draft.features import model_drafter
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
@@ -8,23 +20,45 @@ from workers.protocol import TreeSpec
 from workers.speculation.sampling import SamplingParams
 from workers.target.runner import TargetRunner
 from workers.tools.distill import prompts
+
 torch.set_num_threads(1)
-cfg = EngineConfig(model="smollm2-135m-instruct", max_sessions=2, max_seq_len=1024, dtype="bfloat16", kernel_threads=2)
-target = Engine.load(cfg)
-draft = Engine.load(dataclasses.replace(cfg, model=sys.argv[1]))
-stops = stop_token_ids(target.tokenizer)
-chats = [encode_chat(target.tokenizer, [{"role": "user", "content": t}]) for t in prompts.take("unlike", 1, 4)]
-drafter = model_drafter(draft, SessionTable(2))
-spent = [0.0, 0]
-orig = drafter.propose
+config = EngineConfig(
+    model="smollm2-135m-instruct", max_sessions=2, max_seq_len=1024, dtype="bfloat16",
+    kernel_threads=2,
+)  # fmt: skip
+target = Engine.load(config)
+head = Engine.load(dataclasses.replace(config, model=sys.argv[1]))
+chats = [
+    encode_chat(target.tokenizer, [{"role": "user", "content": text}])
+    for text in prompts.take("unlike", 1, 4)
+]
+drafter = model_drafter(head, SessionTable(2))
+spent = [0.0, 0]  # seconds in propose, calls
+propose = drafter.propose
+
+
 def timed(calls):
-    t = time.perf_counter(); r = orig(calls); spent[0] += time.perf_counter() - t; spent[1] += 1; return r
+    start = time.perf_counter()
+    trees = propose(calls)
+    spent[0] += time.perf_counter() - start
+    spent[1] += 1
+    return trees
+
+
 drafter.propose = timed
-d = LocalDecoder(TargetRunner(target, SessionTable(2)), drafter, TreeSpec(depth=3, branching=2, budget=6), stops)
-d.generate(chats[0][:24], 4, SamplingParams())
-for rep in range(3):
-    spent[:] = [0.0, 0]; t = time.perf_counter(); n = steps = 0
+spec = TreeSpec(depth=3, branching=2, budget=6)
+decoder = LocalDecoder(
+    TargetRunner(target, SessionTable(2)), drafter, spec, stop_token_ids(target.tokenizer)
+)
+decoder.generate(chats[0][:24], 4, SamplingParams())
+for _ in range(3):
+    spent[:] = [0.0, 0]
+    start, tokens, rounds = time.perf_counter(), 0, 0
     for ids in chats:
-        g = d.generate(ids, 64, SamplingParams()); n += len(g.token_ids); steps += g.stats.verify_steps
-    el = time.perf_counter() - t
-    print(f"{n/el:.1f} tok/s, round {el/steps*1e3:.1f} ms, propose {spent[0]/spent[1]*1e3:.2f} ms, {n/steps:.2f} tok/round", flush=True)
+        out = decoder.generate(ids, 64, SamplingParams())
+        tokens, rounds = tokens + len(out.token_ids), rounds + out.stats.verify_steps
+    seconds = time.perf_counter() - start
+    print(
+        f"{tokens / seconds:.1f} tok/s, round {seconds / rounds * 1e3:.1f} ms, "
+        f"propose {spent[0] / spent[1] * 1e3:.2f} ms, {tokens / rounds:.2f} tok/round"
+    )
