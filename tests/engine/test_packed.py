@@ -1,4 +1,5 @@
-"""oneDNN-packed linear layers give the plain layers' results."""
+"""oneDNN-packed and row-tiled linear layers give the plain layers' results, each row's
+the same bits whatever rows share the call."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 from tests.engine.tiny import tiny_hf_model
 from workers.engine.batch import SlotInput
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.packed import PackedLinear, can_pack, pack_linears
+from workers.engine.packed import TILE_ROWS, PackedLinear, TiledLinear, can_pack, pack_linears
 
 needs_packing = pytest.mark.skipif(
     not can_pack(torch.float32, torch.device("cpu")), reason="no oneDNN linear ops"
@@ -37,6 +38,31 @@ def test_packed_rows_do_not_depend_on_the_rows_beside_them():
         alone = torch.cat([packed(x[i : i + 1]) for i in range(17)])  # (17, 160)
         for rows in (2, 5, 17, 130):
             assert torch.equal(packed(x[:rows])[:17], alone[:rows])
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_rows_equal_the_linear_and_do_not_depend_on_the_rows_beside_them(device, dtype):
+    """What keeps a GPU forward batch-invariant: products of TILE_ROWS rows, padded."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=True).to(device, dtype)
+    tiled = TiledLinear(linear)
+    x = torch.randn(130, 96, device=device, dtype=dtype)
+    with torch.inference_mode():
+        alone = torch.cat([tiled(x[i : i + 1]) for i in range(TILE_ROWS + 1)])
+        for rows in (2, 5, TILE_ROWS, TILE_ROWS + 1, 130):
+            assert torch.equal(tiled(x[:rows])[: TILE_ROWS + 1], alone[:rows])
+        torch.testing.assert_close(tiled(x.view(2, 65, 96)), linear(x).view(2, 65, 160))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_model_on_a_gpu_gets_tiled_layers():
+    model = nn.Module()
+    model.lm_head = nn.Linear(4, 4).cuda()
+    model.blocks = []
+    assert pack_linears(model, None) and isinstance(model.lm_head, TiledLinear)
 
 
 def test_only_float32_on_cpu_is_onednn_packed_and_float16_is_left_alone(tmp_path):

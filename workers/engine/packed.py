@@ -1,4 +1,4 @@
-"""Linear layers with oneDNN-packed weights, for float32 forwards on the CPU.
+"""Linear layers with oneDNN-packed weights (float32 on the CPU), or in fixed row tiles (GPUs).
 
 A transformers `nn.Linear` multiplies by its (out, in) weight with a GEMM
 that re-packs the weight on every call. For the few rows a decode step or a
@@ -12,10 +12,21 @@ whatever number of rows shares the product (plain float32 layers round a
 single row differently from several), which keeps the forward
 batch-invariant (workers/engine/attention.py).
 
+On a GPU, BLAS libraries choose a GEMM kernel by the shape, and for a few
+rows one that splits the inner dimension (split-K) and adds the parts in
+another order, so a token's float32 logits differed in the last bits between
+a prefill or a tree and one-token decoding (bench/GPU.md). `TiledLinear`
+multiplies in products of exactly `TILE_ROWS` rows, the last padded with
+zeros: every row goes through the same kernel with the same reduction order
+whatever rows share the call, which makes the forward batch-invariant there
+too, at the price of padding a decode step to `TILE_ROWS` rows (on a GPU a
+product of 1 or 32 rows reads the same weights in about the same time).
+
 `pack_linears` swaps the native model's linear layers for packed ones when
-the model is float32 on the CPU and this torch build has the oneDNN ops, and
-for the compiled kernel's (workers/engine/bf16_linear.py) when it is bfloat16
-on the CPU and the kernel builds; otherwise it leaves the model as it is.
+the model is float32 on the CPU and this torch build has the oneDNN ops, for
+the compiled kernel's (workers/engine/bf16_linear.py) when it is bfloat16
+on the CPU and the kernel builds, and for tiled ones on a CUDA GPU; otherwise
+it leaves the model as it is.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from workers.engine.bf16_linear import Bf16Kernel, Bf16Linear
@@ -30,6 +42,7 @@ from workers.engine.bf16_linear import Bf16Kernel, Bf16Linear
 log = logging.getLogger(__name__)
 
 PACK_ROWS_HINT = 16  # the row count oneDNN tunes the layout for (any count works)
+TILE_ROWS = 32  # rows of every product a TiledLinear makes (a 17-token tree: one)
 LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a Block's linear layers
 
 
@@ -48,6 +61,28 @@ class PackedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)  # (R, in)
         y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class TiledLinear(nn.Module):
+    """y = x W^T + b in products of exactly `tile` rows, so that each row's result is the
+    same bits whatever rows share the call (module docstring); inference only."""
+
+    def __init__(self, linear: nn.Linear, tile: int = TILE_ROWS):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight.detach()  # (out, in)
+        self.bias = None if linear.bias is None else linear.bias.detach()  # (out,)
+        self.tile = tile
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (..., in) -> (..., out)
+        rows = x.reshape(-1, self.in_features)  # (R, in)
+        n = rows.shape[0]
+        pad = -n % self.tile
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros(pad, self.in_features)])  # (R + pad, in)
+        y = torch.cat([F.linear(t, self.weight, self.bias) for t in rows.split(self.tile)])
+        return y[:n].reshape(*x.shape[:-1], self.out_features)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -74,6 +109,8 @@ def pack_linears(model: nn.Module, kernel: Bf16Kernel | None) -> bool:
 
         def make(linear: nn.Linear) -> nn.Module:
             return Bf16Linear(linear, kernel)
+    elif weight.is_cuda:
+        make = TiledLinear
     else:
         return False
     for block in model.blocks:
