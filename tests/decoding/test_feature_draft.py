@@ -169,6 +169,25 @@ async def test_the_head_pairs_each_committed_token_with_the_targets_state_before
     assert positions == list(range(len(positions))) and len(positions) > len(prompt)
 
 
+def test_a_prompt_fed_in_chunks_returns_the_states_of_every_chunk():
+    """With a prefill chunk the answer brings the state after every prompt token, the
+    earlier chunks' too (those of the prompt fed at once), the newest HIDDEN_BYTES' worth."""
+    prompt = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    call = VerifyCall("s", 0, prompt, TokenTree.empty(), GREEDY, return_hidden=True)
+    (whole,) = TargetRunner(tiny_engine(seed=0, slots=2), SessionTable(2)).verify([call])
+    for hidden_bytes, first in ((1 << 20, 0), (2 * 64 * 10, 20)):  # all 30 rows, the last 10
+        runner = TargetRunner(
+            tiny_engine(seed=0, slots=2), SessionTable(2), prefill_chunk=8,
+            hidden_bytes=hidden_bytes,
+        )  # fmt: skip
+        unfinished = 0
+        while (out := runner.verify([call])[0]) is UNFINISHED:
+            unfinished += 1
+        assert unfinished == 3 and out.emitted == whole.emitted  # chunks of 8, 8, 8, then 6
+        assert out.hidden.start == first
+        assert torch.equal(out.hidden.states, whole.hidden.states[first:])
+
+
 def test_the_target_returns_its_states_of_the_committed_positions():
     """Row i is the state after token start + i, before the final norm: the target's own
     next-token logits come out of it, and every position but the bonus token's is there."""

@@ -16,14 +16,14 @@ a chunk's keys and values are those the whole prompt would have written.
 
 A call with `return_hidden` (a session whose draft is a feature draft) also
 gets the final hidden states (before the final norm) of the positions it
-committed: every token fed this step but the bonus token (the newest
-`HIDDEN_BYTES` worth of them), as bfloat16 `Features` (workers/protocol/calls.py).
-Other calls get none.
+committed: every token it fed but the bonus token, its earlier prefill chunks'
+included (the newest `HIDDEN_BYTES` worth of them), as bfloat16 `Features`
+(workers/protocol/calls.py). Other calls get none.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +45,17 @@ from workers.speculation.tree import TokenTree, check_tokens, depths, validate_t
 from workers.speculation.verify import verify
 
 
+@dataclass
+class Prefill:
+    """A call whose pending tokens are being fed in chunks, one per step."""
+
+    call: VerifyCall
+    prefix_hit: int
+    # with return_hidden: the states after the chunks fed so far, (T_i, E) FEATURE_DTYPE each,
+    # the newest HIDDEN_BYTES worth
+    states: list[torch.Tensor] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class Prepared:
     call: VerifyCall
@@ -52,6 +63,7 @@ class Prepared:
     row: SlotInput
     prefix_hit: int
     chunk: bool = False  # the row is a prefill chunk: no tree, no logits, more to come
+    prefill: Prefill | None = None  # the chunks fed before this row, if any
 
 
 def region(pending: list[int], tree: TokenTree) -> tuple[list[int], list[int]]:
@@ -61,9 +73,9 @@ def region(pending: list[int], tree: TokenTree) -> tuple[list[int], list[int]]:
     return pending + tree.tokens.tolist(), parents
 
 
-# Most bytes of hidden states one Verify returns: a whole long prompt fed at once (no
-# --prefill-chunk) sends only its newest positions' states; a feature draft feeds the
-# older ones zeros. 16 MiB: 14,563 positions of a 576-wide model, 2,048 of a 4,096-wide one.
+# Most bytes of hidden states one Verify returns: of a longer prompt only its newest
+# positions' states go; a feature draft feeds the older ones zeros. 16 MiB: 14,563
+# positions of a 576-wide model, 2,048 of a 4,096-wide one.
 HIDDEN_BYTES = 16 << 20
 
 
@@ -82,26 +94,26 @@ class TargetRunner:
         self.max_tree_nodes = min(max_tree_nodes or engine.max_tree_nodes, engine.max_tree_nodes)
         self.prefill_chunk = prefill_chunk  # most pending tokens fed per step; None = all
         self.hidden_bytes = hidden_bytes  # most bytes of hidden states one call returns
-        # session -> (its call being prefilled in chunks, that call's prefix hit)
-        self.chunking: dict[str, tuple[VerifyCall, int]] = {}
+        self.chunking: dict[str, Prefill] = {}  # session -> its call being fed in chunks
 
     def prepare(self, call: VerifyCall, busy: set[str]) -> Prepared:
         going = self.chunking.pop(call.session_id, None)
-        if going is not None and going[0] is call:  # its next chunk: already synced
-            session, hit = self.table.get(call.session_id), going[1]
+        if going is not None and going.call is call:  # its next chunk: already synced
+            session, hit = self.table.get(call.session_id), going.prefix_hit
             self.table.touch(session)
         else:
+            going = None
             session, hit = self.sync(call, busy)
         pending = session.pending
         if self.prefill_chunk and len(pending) > self.prefill_chunk:
             fed = pending[: self.prefill_chunk]
             row = SlotInput(session.slot, session.cached, list(range(-1, len(fed) - 1)), fed, 0)
-            self.chunking[call.session_id] = (call, hit)
+            self.chunking[call.session_id] = going = going or Prefill(call, hit)
         else:
             tokens, parents = region(pending, call.tree)
             row = SlotInput(session.slot, session.cached, parents, tokens, len(call.tree) + 1)
         self.table.reserve(session, session.cached + len(row.parents), busy)
-        return Prepared(call, session, row, hit, chunk=row.logits_for == 0)
+        return Prepared(call, session, row, hit, row.logits_for == 0, going)
 
     def sync(self, call: VerifyCall, busy: set[str]) -> tuple[Session, int]:
         """Checks the call and brings its session up to date; returns it and the prefix hit."""
@@ -148,6 +160,8 @@ class TargetRunner:
             for (i, p), logits, hidden in zip(prepared, out.logits, out.hidden, strict=True):
                 if p.chunk:
                     self.table.advance(p.session, len(p.row.tokens))
+                    if p.call.return_hidden and p.prefill is not None:
+                        self.keep_states(p.prefill, hidden)  # hidden: (chunk, E)
                     results[i] = UNFINISHED
                 else:
                     results[i] = self.finish(p, logits, hidden)
@@ -172,10 +186,22 @@ class TargetRunner:
             logprobs = token_logprobs(logits[rows], emitted, call.num_logprobs)
         features = None
         if call.return_hidden:  # the states of the positions kept: all but the bonus token's
-            rows = keep[-max(1, self.hidden_bytes // (2 * hidden.shape[1])) :]  # the newest
-            first = start + len(keep) - len(rows)
-            features = Features(first, hidden[rows].to(FEATURE_DTYPE).cpu())
+            earlier = p.prefill.states if p.prefill is not None else []
+            states = torch.cat([*earlier, hidden[keep].to(FEATURE_DTYPE).cpu()])  # (R, E)
+            states = states[-self.hidden_rows(states.shape[1]) :]  # the newest
+            features = Features(start + len(keep) - len(states), states)
         return VerifyOutcome(verdict.accepted, emitted, logprobs, p.prefix_hit, hidden=features)
+
+    def hidden_rows(self, width: int) -> int:
+        """Most states one call returns, of `width` bfloat16 values each."""
+        return max(1, self.hidden_bytes // (2 * width))
+
+    def keep_states(self, prefill: Prefill, hidden: torch.Tensor) -> None:
+        """Keeps a chunk's states (T, E) for the call's answer, the newest HIDDEN_BYTES."""
+        prefill.states.append(hidden.to(FEATURE_DTYPE).cpu())
+        most = self.hidden_rows(hidden.shape[1])
+        while sum(len(s) for s in prefill.states[1:]) >= most:
+            prefill.states.pop(0)
 
     def end(self, session_id: str) -> bool:
         self.chunking.pop(session_id, None)
