@@ -113,7 +113,7 @@ class TargetRunner:
             tokens, parents = region(pending, call.tree)
             row = SlotInput(session.slot, session.cached, parents, tokens, len(call.tree) + 1)
         self.table.reserve(session, session.cached + len(row.parents), busy)
-        return Prepared(call, session, row, hit, row.logits_for == 0, going)
+        return Prepared(call, session, row, hit, chunk=row.logits_for == 0, prefill=going)
 
     def sync(self, call: VerifyCall, busy: set[str]) -> tuple[Session, int]:
         """Checks the call and brings its session up to date; returns it and the prefix hit."""
