@@ -1,8 +1,11 @@
 """The drafter's share of a round in the loop (bench/DRAFT.md, "Twice the steps").
 
-python propose_share.py HEAD_DIR, from the repository root: the in-process loop over the
-bfloat16 target and a feature draft, tree 3/2/6, 4 unlike prompts, 64 tokens, three passes;
-prints tokens/s, ms a round, ms the drafter's propose took a round, tokens a round.
+PYTHONPATH=CHECKOUT python propose_share.py HEAD_DIR [PREFILL_CHUNK [PASSES]]: the
+in-process loop of that checkout over the bfloat16 target and a feature draft, tree 3/2/6,
+4 unlike prompts, 64 tokens, the target prefilling in chunks of PREFILL_CHUNK tokens (0 =
+whole prompts), PASSES passes (3); prints tokens/s, ms a round, ms the drafter's propose
+took a round, tokens a round. Without PYTHONPATH, Python puts this script's folder first
+and imports the installed checkout, whichever folder the command runs in.
 """
 
 import dataclasses
@@ -47,11 +50,11 @@ def timed(calls):
 
 drafter.propose = timed
 spec = TreeSpec(depth=3, branching=2, budget=6)
-decoder = LocalDecoder(
-    TargetRunner(target, SessionTable(2)), drafter, spec, stop_token_ids(target.tokenizer)
-)
+chunk = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+runner = TargetRunner(target, SessionTable(2), prefill_chunk=chunk or None)
+decoder = LocalDecoder(runner, drafter, spec, stop_token_ids(target.tokenizer))
 decoder.generate(chats[0][:24], 4, SamplingParams())
-for _ in range(3):
+for _ in range(int(sys.argv[3]) if len(sys.argv) > 3 else 3):
     spent[:] = [0.0, 0]
     start, tokens, rounds = time.perf_counter(), 0, 0
     for ids in chats:
