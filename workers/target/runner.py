@@ -186,9 +186,10 @@ class TargetRunner:
             logprobs = token_logprobs(logits[rows], emitted, call.num_logprobs)
         features = None
         if call.return_hidden:  # the states of the positions kept: all but the bonus token's
+            most = self.hidden_rows(hidden.shape[1])
             earlier = p.prefill.states if p.prefill is not None else []
-            states = torch.cat([*earlier, hidden[keep].to(FEATURE_DTYPE).cpu()])  # (R, E)
-            states = states[-self.hidden_rows(states.shape[1]) :]  # the newest
+            newest = hidden[keep[-most:]].to(FEATURE_DTYPE).cpu()  # only what can be sent
+            states = torch.cat([*earlier, newest])[-most:]  # (R, E)
             features = Features(start + len(keep) - len(states), states)
         return VerifyOutcome(verdict.accepted, emitted, logprobs, p.prefix_hit, hidden=features)
 
