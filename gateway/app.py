@@ -37,7 +37,9 @@ def create_app(settings: GatewaySettings, backend_factory: BackendFactory | None
         if factory is None:
             from workers.rpc.client import GrpcFactory
 
-            factory = GrpcFactory(settings.rpc_timeout_s, settings.worker_security())
+            factory = GrpcFactory(
+                settings.rpc_timeout_s, settings.worker_security(), settings.worker_streams
+            )
         app.state.gateway = await Gateway.start(settings, factory, metrics)
         try:
             yield

@@ -100,6 +100,11 @@ class GatewayOptions(BaseSettings):
         30.0, ge=0, description="seconds between re-resolving worker names; 0 = never"
     )
     rpc_timeout_s: float = Field(60.0, gt=0, description="deadline of one propose or verify call")
+    worker_streams: bool = Field(
+        True,
+        description="send each target's Verify calls as messages of one long-lived gRPC stream "
+        "(VerifyStream: a message costs about a third of a call); off = one call a round",
+    )
     affinity_entries: int = Field(10_000, ge=0, description="conversations remembered for routing")
     prefix_routing_slack: int = Field(
         4,

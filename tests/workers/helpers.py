@@ -20,18 +20,20 @@ def settings(role: str, **overrides) -> WorkerSettings:
 
 
 @asynccontextmanager
-async def worker(role: str, engine: Engine | None, **overrides):
-    """A served worker and a GrpcBackend dialled to it; engine None = an n-gram draft."""
+async def worker(role: str, engine: Engine | None, streaming: bool = True, **overrides):
+    """A served worker and a GrpcBackend dialled to it; engine None = an n-gram draft;
+    `streaming` False: the backend sends Verify calls, not stream messages."""
     server = await serve_role(role, engine, settings(role, **overrides))
     try:
-        async with GrpcBackend(role, f"127.0.0.1:{server.port}") as backend:
+        address = f"127.0.0.1:{server.port}"
+        async with GrpcBackend(role, address, streaming=streaming) as backend:
             yield server, backend
     finally:
         await server.shutdown(0)
 
 
-def target_worker(engine: Engine, **overrides):
-    return worker("target", engine, **overrides)
+def target_worker(engine: Engine, streaming: bool = True, **overrides):
+    return worker("target", engine, streaming, **overrides)
 
 
 def draft_worker(engine: Engine | None, **overrides):

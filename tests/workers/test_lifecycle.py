@@ -112,7 +112,7 @@ async def test_shutdown_finishes_in_flight_calls_then_refuses_new_ones():
     # a batching window far longer than the test: the call waits in the queue until shutdown
     async with target_worker(tiny_engine(seed=0), batch_wait_ms=600_000) as (server, target):
         start = asyncio.create_task(target.verify(START))
-        while server.interceptor.inflight == 0:  # until the call reached the worker
+        while server.interceptor.gate.inflight == 0:  # until the call reached the worker
             await asyncio.sleep(0.01)
         await server.shutdown(grace_s=60, drain_s=0)
         assert len((await start).emitted) == 1  # run at once, not after the window

@@ -10,24 +10,31 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.settings import GatewaySettings
+from tests.engine.tiny import tiny_engine
 from tests.workers.helpers import settings
-from workers.protocol import WorkerDown
+from workers.protocol import VerifyCall, WorkerDown
 from workers.rpc.client import GrpcBackend
 from workers.rpc.security import FILES, client_of, issue
 from workers.rpc.service import serve_role
+from workers.speculation.sampling import SamplingParams
+from workers.speculation.tree import TokenTree
 from workers.tools import cli
 from workers.worker import WorkerSettings
+
+
+def secured(directory) -> dict:
+    """A worker's settings for mutual TLS with a token, with credentials in `directory`."""
+    issue(directory, ["127.0.0.1"])
+    return dict(
+        insecure=False, tls_cert=directory / "server.crt", tls_key=directory / "server.key",
+        tls_client_ca=directory / "ca.crt", token_file=directory / "token",
+    )  # fmt: skip
 
 
 @pytest.fixture
 async def tls_worker(tmp_path):
     """An n-gram draft worker serving mutual TLS with a token, and its credentials."""
-    issue(tmp_path, ["127.0.0.1"])
-    channel = dict(
-        insecure=False, tls_cert=tmp_path / "server.crt", tls_key=tmp_path / "server.key",
-        tls_client_ca=tmp_path / "ca.crt", token_file=tmp_path / "token",
-    )  # fmt: skip
-    server = await serve_role("draft", None, settings("draft", **channel))
+    server = await serve_role("draft", None, settings("draft", **secured(tmp_path)))
     try:
         yield f"127.0.0.1:{server.port}", server.health_port, client_of(tmp_path)
     finally:
@@ -64,6 +71,23 @@ async def test_a_wrong_or_missing_token_is_unauthenticated(tls_worker, token):
     address, _, security = tls_worker
     error = await refusal(address, replace(security, token=token))
     assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_a_targets_verify_stream_lets_the_token_in_and_keeps_others_out(tmp_path):
+    server = await serve_role(
+        "target", tiny_engine(seed=1), settings("target", **secured(tmp_path))
+    )
+    address, security = f"127.0.0.1:{server.port}", client_of(tmp_path)
+    start = VerifyCall("a", 0, [5, 17, 3], TokenTree.empty(), SamplingParams())
+    try:
+        async with GrpcBackend("target", address, 5.0, security) as target:
+            assert len((await target.verify(start)).emitted) == 1 and target.streaming
+        async with GrpcBackend("target", address, 5.0, replace(security, token="wrong")) as target:
+            with pytest.raises(WorkerDown, match="UNAUTHENTICATED"):
+                await target.verify(replace(start, session_id="b"))
+            assert target.streaming  # refused, not mistaken for a worker without streams
+    finally:
+        await server.shutdown(0)
 
 
 async def test_health_needs_no_token_and_has_a_plaintext_port_for_probes(tls_worker):

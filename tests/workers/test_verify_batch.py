@@ -1,10 +1,12 @@
-"""VerifyBatch: the Verify calls of one event-loop turn travel as one call, each answered
-on its own (workers/rpc/coalesce.py)."""
+"""VerifyBatch: the Verify calls of one event-loop turn travel as one message (of the
+worker's VerifyStream, or a VerifyBatch call), each answered on its own
+(workers/rpc/coalesce.py)."""
 
 import asyncio
 from dataclasses import replace
 
 import grpc
+import pytest
 
 from proto.specsplit.v1 import specsplit_pb2 as pb
 from tests.engine.tiny import tiny_engine
@@ -32,19 +34,27 @@ def calls_by_method(server) -> dict[tuple[str, str], float]:
     }
 
 
-async def test_calls_made_together_travel_in_one_call_and_answer_as_alone():
-    async with target_worker(tiny_engine(seed=1, slots=8)) as (server, target):
+# what the worker counts for three calls made together: the stream itself is counted
+# when it ends, so only its calls show while it is open
+TOGETHER = {True: {}, False: {("VerifyBatch", "OK"): 1}}
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["stream", "calls"])
+async def test_calls_made_together_travel_in_one_message_and_answer_as_alone(streaming):
+    async with target_worker(tiny_engine(seed=1, slots=8), streaming) as (server, target):
         calls = [start(sid, prompt) for sid, prompt in PROMPTS.items()]
         together = await asyncio.gather(*(target.verify(call) for call in calls))
-        assert calls_by_method(server) == {("VerifyBatch", "OK"): 1, ("Verify", "OK"): 3}
+        assert calls_by_method(server) == {**TOGETHER[streaming], ("Verify", "OK"): 3}
+        assert (target.wire.messages, target.wire.calls) == (1, 3)
         for call, outcome in zip(calls, together, strict=True):
             alone = await target.verify(replace(call, session_id=call.session_id + "-alone"))
             assert (outcome.emitted, outcome.logprobs) == (alone.emitted, alone.logprobs)
             assert outcome.timings.batch_size == 3 and alone.timings.batch_size == 1
 
 
-async def test_each_call_of_a_batch_gets_its_own_error():
-    async with target_worker(tiny_engine(seed=1, slots=8)) as (server, target):
+@pytest.mark.parametrize("streaming", [True, False], ids=["stream", "calls"])
+async def test_each_call_of_a_batch_gets_its_own_error(streaming):
+    async with target_worker(tiny_engine(seed=1, slots=8), streaming) as (server, target):
         good = start("a", PROMPTS["a"])
         lost = VerifyCall("b", 4, [], TokenTree.empty(), GREEDY)  # never started
         bad = start("c", [1, 2, 500])  # a token outside the tiny vocabulary
@@ -55,7 +65,7 @@ async def test_each_call_of_a_batch_gets_its_own_error():
         assert isinstance(answers[1], SessionLost)
         assert isinstance(answers[2], InvalidCall) and "vocabulary" in str(answers[2])
         assert calls_by_method(server) == {
-            ("VerifyBatch", "OK"): 1,
+            **TOGETHER[streaming],
             ("Verify", "OK"): 1,
             ("Verify", "NOT_FOUND"): 1,
             ("Verify", "INVALID_ARGUMENT"): 1,
@@ -67,7 +77,7 @@ async def test_a_worker_without_verify_batch_is_called_one_by_one(monkeypatch):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
 
     monkeypatch.setattr(WorkerServicer, "VerifyBatch", unknown)
-    async with target_worker(tiny_engine(seed=1, slots=8)) as (server, target):
+    async with target_worker(tiny_engine(seed=1, slots=8), streaming=False) as (server, target):
         calls = [start(sid, prompt) for sid, prompt in PROMPTS.items()]
         first = await asyncio.gather(*(target.verify(call) for call in calls))
         assert not target.verifies.batching

@@ -11,8 +11,9 @@ workers/rpc/security.py), reconnecting within a second or two of a
 worker (re)starting. Every failed call raises a workers.protocol error
 (workers/rpc/status.py): SessionLost, WorkerBusy, InvalidCall, or WorkerDown
 for anything else (unreachable, deadline, internal, a dropped connection).
-The Verify calls of one event-loop turn go out as one VerifyBatch
-(workers/rpc/coalesce.py).
+The Verify calls of one event-loop turn go out together (workers/rpc/coalesce.py),
+as a message of the one VerifyStream to the worker (workers/rpc/stream.py), or
+as a VerifyBatch call where the worker has no stream (or `streaming` is off).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from workers.rpc import convert
 from workers.rpc.coalesce import Coalescer, Unbatched
 from workers.rpc.security import ClientSecurity
 from workers.rpc.status import code_numbered, error_from, error_of
+from workers.rpc.stream import Unstreamed, VerifyStream
 from workers.speculation.tree import TokenTree
 
 # reconnect within a second or two of a worker (re)starting, not after gRPC's default
@@ -60,6 +62,7 @@ class Wire:
     """Bytes a client put on and took off the wire (serialized messages, no framing)."""
 
     calls: int = 0  # the sessions' calls (a VerifyBatch counts those it carries)
+    messages: int = 0  # unary calls and stream messages: what crossed the wire
     request_bytes: int = 0
     response_bytes: int = 0
 
@@ -73,6 +76,7 @@ class GrpcBackend:
         address: str,
         timeout_s: float | None = 60.0,
         security: ClientSecurity | None = None,
+        streaming: bool = True,
     ):
         self.role = role
         self.address = address
@@ -87,7 +91,14 @@ class GrpcBackend:
         self.stub = STUBS[role](self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.wire = Wire()
-        self.verifies = Coalescer(partial(self.call, "Verify"), self.verify_batch)
+        self.verifies = Coalescer(self.verify_one, self.verify_batch)
+        # every Verify on one stream (False once the worker said it has none)
+        self.streaming = streaming and role == "target"
+        self.stream = (
+            VerifyStream(partial(self.stub.VerifyStream, metadata=self.metadata), timeout_s)
+            if role == "target"
+            else None
+        )
 
     async def call(self, method: str, request, calls: int = 1):
         """One call of `method`; `calls`: the sessions' calls it carries (a VerifyBatch)."""
@@ -101,10 +112,14 @@ class GrpcBackend:
             raise
         except Exception as error:  # noqa: BLE001 - a closed channel, a bad message, ...
             raise WorkerDown(f"{type(error).__name__}: {error}") from error
+        self.count(request, response, calls)
+        return response
+
+    def count(self, request, response, calls: int) -> None:
         self.wire.calls += calls
+        self.wire.messages += 1
         self.wire.request_bytes += request.ByteSize()
         self.wire.response_bytes += response.ByteSize()
-        return response
 
     async def propose(self, call: ProposeCall) -> TokenTree:
         if self.role != "draft":
@@ -120,12 +135,32 @@ class GrpcBackend:
             raise InvalidCall("a draft worker does not verify")
         return convert.verify_outcome(await self.verifies.verify(convert.verify_request(call)))
 
+    async def verify_one(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
+        """One session's call alone: a message of the stream, or a Verify call."""
+        if self.streaming:
+            answered = (await self.verify_batch([request]))[0]
+            if isinstance(answered, WorkerError):
+                raise answered
+            return answered
+        return await self.call("Verify", request)
+
     async def verify_batch(
         self, requests: list[pb.VerifyRequest]
     ) -> list[pb.VerifyResponse | WorkerError]:
         """Several sessions' calls in one (workers/rpc/coalesce.py)."""
+        batch = pb.VerifyBatchRequest(calls=requests)
+        if self.streaming:
+            assert self.stream is not None
+            try:
+                response = await self.stream.send(batch)
+            except Unstreamed:
+                self.streaming = False
+            else:
+                self.count(batch, response, len(requests))
+                return answers(response)
+        if len(requests) == 1:
+            return [await self.call("Verify", requests[0])]
         try:
-            batch = pb.VerifyBatchRequest(calls=requests)
             response = await self.call("VerifyBatch", batch, len(requests))
         except WorkerDown as error:
             if isinstance(error.__cause__, grpc.aio.AioRpcError) and (
@@ -133,12 +168,7 @@ class GrpcBackend:
             ):
                 raise Unbatched from error
             raise
-        return [
-            result.response
-            if result.HasField("response")
-            else error_from(code_numbered(result.error.code), result.error.details)
-            for result in response.results
-        ]
+        return answers(response)
 
     async def end(self, session_id: str) -> bool:
         response = await self.call("EndSession", pb.EndSessionRequest(session_id=session_id))
@@ -158,6 +188,8 @@ class GrpcBackend:
         return convert.info_from_proto(await self.call("Info", pb.InfoRequest()))
 
     async def close(self) -> None:
+        if self.stream is not None:
+            await self.stream.close()
         await self.channel.close()
 
     async def __aenter__(self) -> GrpcBackend:
@@ -167,12 +199,28 @@ class GrpcBackend:
         await self.close()
 
 
+def answers(response: pb.VerifyBatchResponse) -> list[pb.VerifyResponse | WorkerError]:
+    """Each call's response, or the error its status stands for."""
+    return [
+        result.response
+        if result.HasField("response")
+        else error_from(code_numbered(result.error.code), result.error.details)
+        for result in response.results
+    ]
+
+
 class GrpcFactory:
     """A BackendFactory that dials each address over gRPC (TLS when `security` is set)."""
 
-    def __init__(self, timeout_s: float | None = 60.0, security: ClientSecurity | None = None):
+    def __init__(
+        self,
+        timeout_s: float | None = 60.0,
+        security: ClientSecurity | None = None,
+        streaming: bool = True,
+    ):
         self.timeout_s = timeout_s
         self.security = security
+        self.streaming = streaming  # a target's Verify calls as messages of one stream
 
     def __call__(self, role: Role, address: str) -> GrpcBackend:
-        return GrpcBackend(role, address, self.timeout_s, self.security)
+        return GrpcBackend(role, address, self.timeout_s, self.security, self.streaming)

@@ -27,7 +27,7 @@ from workers.engine.sessions import SessionTable
 from workers.rpc.batcher import Batcher, EngineThread
 from workers.rpc.metrics import WorkerMetrics
 from workers.rpc.security import ServerSecurity, TokenInterceptor
-from workers.rpc.status import ErrorInterceptor
+from workers.rpc.status import CallGate, ErrorInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,9 @@ class WorkerServer:
         metrics: WorkerMetrics,
         options: ServerOptions,
         security: ServerSecurity | None,
+        gate: CallGate,
     ) -> WorkerServer:
-        interceptor = ErrorInterceptor(metrics.observe_request)
+        interceptor = ErrorInterceptor(metrics.observe_request, gate)
         token = [TokenInterceptor(security.token)] if security and security.token else []
         server = grpc.aio.server(interceptors=[*token, interceptor])
         register(servicer, server)
@@ -141,10 +142,10 @@ class WorkerServer:
             await asyncio.sleep(drain)
         # refused by the interceptor rather than by server.stop(grace): grpcio can crash
         # when a second stop() overlaps a pending one, and watches would hold a stop(grace)
-        self.interceptor.refuse_new_calls()
+        self.interceptor.gate.refuse_new_calls()
         self.batcher.drain()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.interceptor.wait_idle(), grace)
+            await asyncio.wait_for(self.interceptor.gate.wait_idle(), grace)
         await self.server.stop(0)  # cancels what is left: health watches, calls past the grace
         if self.health_server is not None:
             await self.health_server.stop(0)

@@ -31,7 +31,7 @@ from workers.rpc import convert
 from workers.rpc.batcher import Batcher, EngineThread
 from workers.rpc.metrics import MeteredEngine, WorkerMetrics
 from workers.rpc.server import WorkerServer
-from workers.rpc.status import answer
+from workers.rpc.status import REFUSED, CallGate, answer
 from workers.target.runner import TargetRunner
 
 if TYPE_CHECKING:
@@ -108,6 +108,7 @@ class WorkerServicer(pb_grpc.DraftServiceServicer, pb_grpc.TargetServiceServicer
         max_tree_nodes: int,
         cache_len: int = 0,
         on_call: Callable[[str, str], None] = lambda method, code: None,
+        gate: CallGate | None = None,
     ):
         self.runner = runner
         self.batcher = batcher
@@ -115,6 +116,7 @@ class WorkerServicer(pb_grpc.DraftServiceServicer, pb_grpc.TargetServiceServicer
         self.max_tree_nodes = max_tree_nodes
         self.cache_len = cache_len  # a model draft's entries per session slot; 0 = no cache
         self.on_call = on_call  # (method, status code name) of each call a VerifyBatch carried
+        self.gate = gate if gate is not None else CallGate()  # a stream's calls go through it
 
     async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
         call = convert.propose_call(request)
@@ -146,6 +148,38 @@ class WorkerServicer(pb_grpc.DraftServiceServicer, pb_grpc.TargetServiceServicer
                 results.append(pb.VerifyResult(response=answered))
             self.on_call("Verify", code.name)
         return pb.VerifyBatchResponse(results=results)
+
+    async def VerifyStream(self, requests, context) -> None:
+        """Each VerifyBatch message answered on the stream as soon as its calls are, under
+        its tag; writes are one at a time (gRPC takes one write in flight per stream)."""
+        writing = asyncio.Lock()
+
+        async def reply(request: pb.VerifyBatchRequest) -> None:
+            response = await self.stream_message(request, context)
+            response.tag = request.tag
+            async with writing:
+                await context.write(response)
+
+        async with asyncio.TaskGroup() as replies:
+            async for request in requests:
+                replies.create_task(reply(request))
+
+    async def stream_message(
+        self, request: pb.VerifyBatchRequest, context
+    ) -> pb.VerifyBatchResponse:
+        """One message of a stream, as a call: refused once the worker shuts down, in
+        flight until answered."""
+        if self.gate.refusing:
+            refused = pb.CallError(code=grpc.StatusCode.UNAVAILABLE.value[0], details=REFUSED)
+            for _ in request.calls:
+                self.on_call("Verify", grpc.StatusCode.UNAVAILABLE.name)
+            results = [pb.VerifyResult(error=refused) for _ in request.calls]
+            return pb.VerifyBatchResponse(results=results)
+        self.gate.enter()
+        try:
+            return await self.VerifyBatch(request, context)
+        finally:
+            self.gate.leave()
 
     async def EndSession(self, request: pb.EndSessionRequest, context) -> pb.EndSessionResponse:
         found = await self.thread.run(self.runner.end, request.session_id)
@@ -193,8 +227,9 @@ async def serve_role(role: Role, engine: Engine | None, settings: WorkerSettings
         held_sessions=lambda: runner.table.sessions.keys(),
         fed=(lambda: metrics.fed_work) if engine is not None else None,
     )
+    gate = CallGate()
     servicer = WorkerServicer(
-        runner, batcher, thread, settings.max_tree_nodes, cache_len, metrics.observe_request
+        runner, batcher, thread, settings.max_tree_nodes, cache_len, metrics.observe_request, gate
     )
     service = SERVICES[role]
     return await WorkerServer.start(
@@ -208,4 +243,5 @@ async def serve_role(role: Role, engine: Engine | None, settings: WorkerSettings
         metrics,
         settings.server_options(),
         settings.security(),
+        gate,
     )

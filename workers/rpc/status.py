@@ -76,12 +76,12 @@ def error_from(code: grpc.StatusCode, details: str) -> WorkerError:
     return kind(details)
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps exceptions to status codes, counts calls by method and code, tracks in-flight
-    calls, and refuses new ones once the worker shuts down."""
+class CallGate:
+    """The calls a worker is serving, and whether it still takes new ones: the interceptor
+    passes each unary call through it, VerifyStream each message (a stream stays open, its
+    messages are the calls)."""
 
-    def __init__(self, on_done: Callable[[str, str], None] = lambda method, code: None):
-        self.on_done = on_done  # called with (method, status code name) after every call
+    def __init__(self) -> None:
         self.inflight = 0
         self.refusing = False  # set on shutdown: new calls get UNAVAILABLE
         self._idle = asyncio.Event()
@@ -94,21 +94,60 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         """Returns once no SpecSplit call is in flight."""
         await self._idle.wait()
 
+    def enter(self) -> None:
+        self.inflight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        if not self.inflight:
+            self._idle.set()
+
+
+REFUSED = "the worker is shutting down"
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions to status codes, counts calls by method and code, tracks in-flight
+    calls, and refuses new ones once the worker shuts down (through `gate`). A stream is
+    counted when it ends; its messages go through the gate themselves."""
+
+    def __init__(
+        self,
+        on_done: Callable[[str, str], None] = lambda method, code: None,
+        gate: CallGate | None = None,
+    ):
+        self.on_done = on_done  # called with (method, status code name) after every call
+        self.gate = gate if gate is not None else CallGate()
+
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or not details.method.startswith(SERVICE_PREFIX):
             return handler
+        method = details.method.rsplit("/", 1)[-1]
+        serializers = dict(
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+        if handler.stream_stream is not None:  # its messages go through the gate themselves
+            guarded = self.guard(method, handler.stream_stream, in_flight=False)
+            return grpc.stream_stream_rpc_method_handler(guarded, **serializers)
         if handler.unary_unary is None:
             return handler
-        method = details.method.rsplit("/", 1)[-1]
-        inner = handler.unary_unary
+        guarded = self.guard(method, handler.unary_unary, in_flight=True)
+        return grpc.unary_unary_rpc_method_handler(guarded, **serializers)
+
+    def guard(self, method: str, inner, in_flight: bool):
+        """`inner` (a unary method, or a stream's), refused once the worker shuts down, its
+        error mapped to a status and counted when it ends; `in_flight`: counted as in flight
+        while it runs."""
 
         async def guarded(request, context):
-            if self.refusing:
+            if self.gate.refusing:
                 self.on_done(method, grpc.StatusCode.UNAVAILABLE.name)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
-            self.inflight += 1
-            self._idle.clear()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, REFUSED)
+            if in_flight:
+                self.gate.enter()
             code = grpc.StatusCode.OK
             try:
                 return await inner(request, context)
@@ -116,20 +155,20 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 code = grpc.StatusCode.CANCELLED
                 raise
             except grpc.aio.AbortError:  # a method that set its own status
-                aborted = context.code()
-                code = aborted if isinstance(aborted, grpc.StatusCode) else grpc.StatusCode.UNKNOWN
+                code = aborted_code(context)
                 raise
             except Exception as error:  # noqa: BLE001 - every error becomes a status
                 code, details = answer(error, method)
                 await context.abort(code, details)
             finally:
-                self.inflight -= 1
-                if not self.inflight:
-                    self._idle.set()
+                if in_flight:
+                    self.gate.leave()
                 self.on_done(method, code.name)
 
-        return grpc.unary_unary_rpc_method_handler(
-            guarded,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return guarded
+
+
+def aborted_code(context) -> grpc.StatusCode:
+    """The status a method that aborted set."""
+    aborted = context.code()
+    return aborted if isinstance(aborted, grpc.StatusCode) else grpc.StatusCode.UNKNOWN

@@ -209,6 +209,11 @@ class TargetServiceStub:
                 request_serializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchRequest.SerializeToString,
                 response_deserializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/specsplit.v1.TargetService/VerifyStream',
+                request_serializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchRequest.SerializeToString,
+                response_deserializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchResponse.FromString,
+                _registered_method=True)
         self.EndSession = channel.unary_unary(
                 '/specsplit.v1.TargetService/EndSession',
                 request_serializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.EndSessionRequest.SerializeToString,
@@ -245,6 +250,18 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyStream(self, request_iterator, context):
+        """VerifyBatch calls as messages of one long-lived stream: each request is
+        answered by a response with the same tag, in the order the worker finishes
+        them. One stream per gateway and worker carries every round, so a round pays
+        a message's handling instead of a call's (about a third; the gateway's
+        round trip on localhost drops from ~0.8 to ~0.3 ms). A worker shutting down
+        answers each call it can no longer take with UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def EndSession(self, request, context):
         """Frees the session's cache slot; ending an unknown session is not an error.
         """
@@ -269,6 +286,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
             ),
             'VerifyBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.VerifyBatch,
+                    request_deserializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchRequest.FromString,
+                    response_serializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
                     request_deserializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchRequest.FromString,
                     response_serializer=proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchResponse.SerializeToString,
             ),
@@ -336,6 +358,33 @@ class TargetService:
             request,
             target,
             '/specsplit.v1.TargetService/VerifyBatch',
+            proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchRequest.SerializeToString,
+            proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specsplit.v1.TargetService/VerifyStream',
             proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchRequest.SerializeToString,
             proto_dot_specsplit_dot_v1_dot_specsplit__pb2.VerifyBatchResponse.FromString,
             options,

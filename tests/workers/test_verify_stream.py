@@ -1,0 +1,148 @@
+"""VerifyStream: a target's Verify calls as messages of one stream (workers/rpc/stream.py),
+with the faults of unary calls: deadlines, a worker killed or shutting down, an older worker."""
+
+import asyncio
+import threading
+from contextlib import asynccontextmanager
+
+import grpc
+import pytest
+
+from tests.engine.tiny import tiny_engine
+from tests.workers.helpers import scrape, settings, target_worker
+from workers.protocol import VerifyCall, VerifyOutcome, WorkerDown
+from workers.rpc.client import GrpcBackend
+from workers.rpc.service import WorkerServicer, serve_role
+from workers.speculation.sampling import SamplingParams
+from workers.speculation.tree import TokenTree
+from workers.target.runner import TargetRunner
+
+PROMPT = (5, 17, 3, 88, 41)
+
+
+def start(session_id: str) -> VerifyCall:
+    return VerifyCall(session_id, 0, list(PROMPT), TokenTree.empty(), SamplingParams())
+
+
+def counts(server) -> dict[tuple[str, str], float]:
+    return {
+        (labels["method"], labels["code"]): value
+        for labels, value in scrape(server)["specsplit_worker_requests_total"]
+        if value
+    }
+
+
+class Gate:
+    """Holds the target's steps while closed (the worker looks hung); `entered` is set once a
+    step waits at it."""
+
+    def __init__(self):
+        self.open = threading.Event()
+        self.entered = threading.Event()
+
+    def install(self, monkeypatch) -> None:
+        verify = TargetRunner.verify
+
+        def held(runner, calls):
+            self.entered.set()
+            self.open.wait(30)
+            return verify(runner, calls)
+
+        monkeypatch.setattr(TargetRunner, "verify", held)
+
+    async def wait_entered(self) -> None:
+        await asyncio.to_thread(self.entered.wait, 30)
+
+
+@asynccontextmanager
+async def served(port: int = 0):
+    server = await serve_role("target", tiny_engine(seed=1, slots=8), settings("target", port=port))
+    try:
+        yield server
+    finally:
+        await server.shutdown(0, 0)
+
+
+async def test_rounds_travel_as_messages_of_one_stream_that_ends_cleanly():
+    async with served() as server:
+        async with GrpcBackend("target", f"127.0.0.1:{server.port}") as target:
+            for sid in "abcd":  # one after another: a message each
+                assert isinstance(await target.verify(start(sid)), VerifyOutcome)
+            assert target.wire.messages == 4 and target.streaming
+        assert counts(server) == {("Verify", "OK"): 4, ("VerifyStream", "OK"): 1}
+
+
+async def test_a_caller_past_its_deadline_gets_worker_down_and_the_stream_goes_on(monkeypatch):
+    gate = Gate()
+    gate.install(monkeypatch)
+    async with served() as server:
+        async with GrpcBackend("target", f"127.0.0.1:{server.port}", timeout_s=0.5) as target:
+            with pytest.raises(WorkerDown, match="DEADLINE_EXCEEDED"):
+                await target.verify(start("a"))
+            gate.open.set()  # the worker answers late: the answer is dropped
+            assert isinstance(await target.verify(start("b")), VerifyOutcome)
+            assert target.streaming
+
+
+async def test_a_worker_shutting_down_finishes_the_message_in_flight_and_refuses_new_ones(
+    monkeypatch,
+):
+    gate = Gate()
+    gate.install(monkeypatch)
+    server = await serve_role("target", tiny_engine(seed=1, slots=8), settings("target"))
+    async with GrpcBackend("target", f"127.0.0.1:{server.port}") as target:
+        in_flight = asyncio.create_task(target.verify(start("a")))
+        await gate.wait_entered()
+        stopping = asyncio.create_task(server.shutdown(grace_s=10, drain_s=0))
+        while not server.interceptor.gate.refusing:
+            await asyncio.sleep(0.01)
+        with pytest.raises(WorkerDown, match="UNAVAILABLE"):
+            await target.verify(start("b"))
+        assert counts(server)[("Verify", "UNAVAILABLE")] == 1
+        gate.open.set()
+        assert isinstance(await in_flight, VerifyOutcome)
+        await stopping
+
+
+async def test_a_worker_killed_fails_its_stream_callers_at_once_and_a_new_one_is_streamed_to(
+    monkeypatch,
+):
+    gate = Gate()
+    gate.install(monkeypatch)
+    async with served() as first:
+        port = first.port
+        async with GrpcBackend("target", f"127.0.0.1:{port}", timeout_s=60) as target:
+            waiting = asyncio.create_task(target.verify(start("a")))
+            await gate.wait_entered()
+            await first.server.stop(0)  # the process gone: its connection drops
+            with pytest.raises(WorkerDown):
+                await asyncio.wait_for(waiting, 10)  # not the 60 s deadline
+            gate.open.set()
+            async with served(port) as second:
+                outcome = None
+                for _ in range(50):  # the channel reconnects within a second or two
+                    try:
+                        outcome = await target.verify(start("b"))
+                        break
+                    except WorkerDown:
+                        await asyncio.sleep(0.1)
+                assert isinstance(outcome, VerifyOutcome) and target.streaming
+                assert counts(second)[("Verify", "OK")] == 1
+
+
+async def test_a_worker_without_the_stream_gets_its_rounds_as_calls(monkeypatch):
+    async def unknown(self, requests, context):  # what gRPC answers a build without it
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+
+    monkeypatch.setattr(WorkerServicer, "VerifyStream", unknown)
+    async with target_worker(tiny_engine(seed=1, slots=8)) as (server, target):
+        calls = [start(sid) for sid in "abc"]
+        answers = await asyncio.gather(*(target.verify(call) for call in calls))
+        assert not target.streaming
+        assert all(isinstance(answer, VerifyOutcome) for answer in answers)
+        assert isinstance(await target.verify(start("d")), VerifyOutcome)
+        assert counts(server) == {
+            ("VerifyStream", "UNIMPLEMENTED"): 1,
+            ("VerifyBatch", "OK"): 1,
+            ("Verify", "OK"): 4,
+        }
