@@ -102,6 +102,8 @@ def test_rows_describe_their_configuration():
     assert {"off-bf16-cores-noamx", "ngram-tree-adaptive-bf16-cores-noamx"} <= set(everything)
     assert "off-bf16-cores-noblocks" not in everything
     assert configs["off-bf16-cores-noblocks"].describe().endswith("blocks op by op")
+    assert "off-bf16-cores-calls" not in everything
+    assert configs["off-bf16-cores-calls"].describe().endswith("Verify as calls")
 
 
 def test_each_row_is_set_against_speculation_off_of_its_dtype_and_kernel_threads():

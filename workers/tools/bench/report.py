@@ -87,7 +87,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 # the name suffixes of every row's bfloat16 twins (suite.serve_configs), the longest first
-TWINS = ("-bf16-cores-noblocks", "-bf16-cores-noamx", "-bf16-cores", "-bf16")
+TWINS = ("-bf16-cores-calls", "-bf16-cores-noblocks", "-bf16-cores-noamx", "-bf16-cores", "-bf16")
 # speculation off per dtype, kernel threads and kernel arithmetic
 OFF_ROWS = (*(f"off{suffix}" for suffix in TWINS), "off")
 

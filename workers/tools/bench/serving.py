@@ -50,6 +50,7 @@ class ServeConfig:
     kernel_threads: int = 0  # the workers' --kernel-threads; 0 = their torch threads
     amx: bool = True  # the workers' --amx: the bfloat16 kernel on the AMX tile unit if any
     compiled_blocks: bool = True  # the workers' --compiled-blocks (the same bits either way)
+    worker_streams: bool = True  # the gateway's --worker-streams: Verify as stream messages
 
     def describe(self) -> str:
         extras = ("" if self.prefix_caching else ", no prefix caching") + (
@@ -61,6 +62,8 @@ class ServeConfig:
             extras += ", AMX off"
         if not self.compiled_blocks:
             extras += ", blocks op by op"
+        if not self.worker_streams:
+            extras += ", Verify as calls"
         return self.speculation() + extras
 
     def numerics(self) -> str:
@@ -180,6 +183,8 @@ class Serve(ServeProcess):
         args += ["--compiled-blocks" if config.compiled_blocks else "--no-compiled-blocks"]
         if not config.prefix_caching:
             args += ["--no-worker-prefix-caching"]
+        if not config.worker_streams:
+            args += ["--no-worker-streams"]
         env = dict(os.environ)
         if worker_threads > 0:  # the workers' torch threads (the gateway barely uses torch)
             env["OMP_NUM_THREADS"] = str(worker_threads)

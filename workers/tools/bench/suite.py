@@ -30,6 +30,8 @@ Rows (pick with --rows):
   ROW-bf16-cores-noblocks  the bfloat16 rows with the kernel on every core and the decoder
                         blocks op by op from Python (--no-compiled-blocks): the same bits,
                         so their texts are checked against the first bfloat16 row's
+  ROW-bf16-cores-calls  the same with the gateway's Verify calls as unary calls, not
+                        messages of one stream (--no-worker-streams): the same bits
 
 Every SpecSplit row starts a `specsplit serve` of its own for each point it
 measures (a workload at some streams), so that no point finds another's
@@ -162,6 +164,7 @@ def serve_configs(s: BenchSettings) -> dict[str, ServeConfig]:
         "-bf16-cores": dict(bf16, kernel_threads=cores),
         "-bf16-cores-noamx": dict(bf16, kernel_threads=cores, amx=False),
         "-bf16-cores-noblocks": dict(bf16, kernel_threads=cores, compiled_blocks=False),
+        "-bf16-cores-calls": dict(bf16, kernel_threads=cores, worker_streams=False),
     }
     twins = [
         replace(c, name=c.name + suffix, **change)
@@ -178,7 +181,7 @@ def all_rows(configs: dict[str, ServeConfig]) -> list[str]:
     return list(HF_ROWS) + [
         r
         for r, c in configs.items()
-        if c.dtype == "float32" or (r.startswith(kept) and c.compiled_blocks)
+        if c.dtype == "float32" or (r.startswith(kept) and c.compiled_blocks and c.worker_streams)
     ]
 
 
