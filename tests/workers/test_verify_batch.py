@@ -80,7 +80,7 @@ async def test_a_worker_without_verify_batch_is_called_one_by_one(monkeypatch):
     async with target_worker(tiny_engine(seed=1, slots=8), streaming=False) as (server, target):
         calls = [start(sid, prompt) for sid, prompt in PROMPTS.items()]
         first = await asyncio.gather(*(target.verify(call) for call in calls))
-        assert not target.verifies.batching
+        assert not target.calls.batching
         renamed = [replace(call, session_id=call.session_id + "2") for call in calls]
         again = await asyncio.gather(*(target.verify(call) for call in renamed))
         assert [o.emitted for o in first] == [o.emitted for o in again]
@@ -106,7 +106,7 @@ async def test_a_batch_is_cancelled_once_every_caller_has_left():
 
     coalescer = Coalescer(one, many)
     callers = [
-        asyncio.create_task(coalescer.verify(pb.VerifyRequest(session_id=sid))) for sid in "ab"
+        asyncio.create_task(coalescer.call(pb.VerifyRequest(session_id=sid))) for sid in "ab"
     ]
     await asyncio.wait_for(started.wait(), 5)
     callers[0].cancel()

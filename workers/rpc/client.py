@@ -11,9 +11,10 @@ workers/rpc/security.py), reconnecting within a second or two of a
 worker (re)starting. Every failed call raises a workers.protocol error
 (workers/rpc/status.py): SessionLost, WorkerBusy, InvalidCall, or WorkerDown
 for anything else (unreachable, deadline, internal, a dropped connection).
-The Verify calls of one event-loop turn go out together (workers/rpc/coalesce.py),
-as a message of the one VerifyStream to the worker (workers/rpc/stream.py), or
-as a VerifyBatch call where the worker has no stream (or `streaming` is off).
+The Verify (Propose) calls of one event-loop turn go out together
+(workers/rpc/coalesce.py), as a message of the one VerifyStream (ProposeStream)
+to the worker (workers/rpc/stream.py); where the worker has no stream (or
+`streaming` is off) as a VerifyBatch call (Propose calls one by one).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from workers.rpc import convert
 from workers.rpc.coalesce import Coalescer, Unbatched
 from workers.rpc.security import ClientSecurity
 from workers.rpc.status import code_numbered, error_from, error_of
-from workers.rpc.stream import Unstreamed, VerifyStream
+from workers.rpc.stream import CallStream, Unstreamed
 from workers.speculation.tree import TokenTree
 
 # reconnect within a second or two of a worker (re)starting, not after gRPC's default
@@ -55,6 +56,22 @@ CHANNEL_OPTIONS = [
 ]
 
 STUBS = {"draft": pb_grpc.DraftServiceStub, "target": pb_grpc.TargetServiceStub}
+
+
+@dataclass(frozen=True)
+class RoundCalls:
+    """How a role's per-round calls travel."""
+
+    method: str  # the unary method of one call
+    batch: type  # the message carrying several
+    stream: str  # the stream of such messages
+    unary_batch: str | None  # a unary method taking one such message; None = none
+
+
+ROUNDS = {
+    "target": RoundCalls("Verify", pb.VerifyBatchRequest, "VerifyStream", "VerifyBatch"),
+    "draft": RoundCalls("Propose", pb.ProposeBatchRequest, "ProposeStream", None),
+}
 
 
 @dataclass
@@ -91,14 +108,12 @@ class GrpcBackend:
         self.stub = STUBS[role](self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.wire = Wire()
-        self.verifies = Coalescer(self.verify_one, self.verify_batch)
-        # every Verify on one stream (False once the worker said it has none)
-        self.streaming = streaming and role == "target"
-        self.stream = (
-            VerifyStream(partial(self.stub.VerifyStream, metadata=self.metadata), timeout_s)
-            if role == "target"
-            else None
-        )
+        self.rounds = ROUNDS[role]
+        # a round's calls on one stream (False once the worker said it has none)
+        self.streaming = streaming
+        stream_method = getattr(self.stub, self.rounds.stream)
+        self.stream = CallStream(partial(stream_method, metadata=self.metadata), timeout_s)
+        self.calls = Coalescer(self.one, self.many)
 
     async def call(self, method: str, request, calls: int = 1):
         """One call of `method`; `calls`: the sessions' calls it carries (a VerifyBatch)."""
@@ -124,7 +139,7 @@ class GrpcBackend:
     async def propose(self, call: ProposeCall) -> TokenTree:
         if self.role != "draft":
             raise InvalidCall("a target worker does not propose")
-        response = await self.call("Propose", convert.propose_request(call))
+        response = await self.calls.call(convert.propose_request(call))
         try:
             return convert.tree_from_proto(response.tree)
         except ValueError as error:
@@ -133,24 +148,22 @@ class GrpcBackend:
     async def verify(self, call: VerifyCall) -> VerifyOutcome:
         if self.role != "target":
             raise InvalidCall("a draft worker does not verify")
-        return convert.verify_outcome(await self.verifies.verify(convert.verify_request(call)))
+        return convert.verify_outcome(await self.calls.call(convert.verify_request(call)))
 
-    async def verify_one(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
-        """One session's call alone: a message of the stream, or a Verify call."""
+    async def one(self, request):
+        """One session's round call alone: a message of the stream, or a unary call."""
         if self.streaming:
-            answered = (await self.verify_batch([request]))[0]
+            answered = (await self.many([request]))[0]
             if isinstance(answered, WorkerError):
                 raise answered
             return answered
-        return await self.call("Verify", request)
+        return await self.call(self.rounds.method, request)
 
-    async def verify_batch(
-        self, requests: list[pb.VerifyRequest]
-    ) -> list[pb.VerifyResponse | WorkerError]:
-        """Several sessions' calls in one (workers/rpc/coalesce.py)."""
-        batch = pb.VerifyBatchRequest(calls=requests)
+    async def many(self, requests: list) -> list:
+        """Several sessions' round calls in one (workers/rpc/coalesce.py): each one's
+        response or its error."""
+        batch = self.rounds.batch(calls=requests)
         if self.streaming:
-            assert self.stream is not None
             try:
                 response = await self.stream.send(batch)
             except Unstreamed:
@@ -159,9 +172,11 @@ class GrpcBackend:
                 self.count(batch, response, len(requests))
                 return answers(response)
         if len(requests) == 1:
-            return [await self.call("Verify", requests[0])]
+            return [await self.call(self.rounds.method, requests[0])]
+        if self.rounds.unary_batch is None:
+            raise Unbatched
         try:
-            response = await self.call("VerifyBatch", batch, len(requests))
+            response = await self.call(self.rounds.unary_batch, batch, len(requests))
         except WorkerDown as error:
             if isinstance(error.__cause__, grpc.aio.AioRpcError) and (
                 error.__cause__.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -188,8 +203,7 @@ class GrpcBackend:
         return convert.info_from_proto(await self.call("Info", pb.InfoRequest()))
 
     async def close(self) -> None:
-        if self.stream is not None:
-            await self.stream.close()
+        await self.stream.close()
         await self.channel.close()
 
     async def __aenter__(self) -> GrpcBackend:
@@ -199,7 +213,7 @@ class GrpcBackend:
         await self.close()
 
 
-def answers(response: pb.VerifyBatchResponse) -> list[pb.VerifyResponse | WorkerError]:
+def answers(response) -> list:
     """Each call's response, or the error its status stands for."""
     return [
         result.response

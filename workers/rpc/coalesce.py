@@ -1,18 +1,21 @@
-"""Client side of VerifyBatch: the Verify calls of one event-loop turn travel together.
+"""Client side of batched calls: the calls of one event-loop turn travel together.
 
 A target's batch ends, its sessions' answers reach the gateway together, and
-each session sends its next Verify a moment later. As unary calls, each one
-costs a call's handling in grpc.aio on both sides (about 0.3 ms of the
-worker's one Python thread per call on a 2-core VM), and the worker's batch
-waits for the last of them: at 8 streams the engine sat idle about 5 ms
-between 33 ms forwards. `Coalescer` queues the requests made in one turn of
-the event loop and sends them as one VerifyBatch call (one request alone
-goes as a plain Verify); each caller gets its own response or its own error.
+each session sends its next Verify (and, with a draft worker, its Propose
+first) a moment later. As unary calls, each one costs a call's handling in
+grpc.aio on both sides (about 0.3 ms of the worker's one Python thread per
+call on a 2-core VM), and the worker's batch waits for the last of them: at
+8 streams the engine sat idle about 5 ms between 33 ms forwards. `Coalescer`
+queues the requests made in one turn of the event loop and sends them as one
+batch (a message of the worker's stream, or a VerifyBatch call; one request
+alone may go as a plain call); each caller gets its own response or its own
+error.
 
 A caller that is cancelled (a hang bound, a client gone) leaves the batch;
 once every caller of a batch has left, its call is cancelled. A worker that
-does not know VerifyBatch (an older build, mid-rollout) answers UNIMPLEMENTED:
-from then on the calls go one by one.
+cannot take a batch (an older build without VerifyBatch, mid-rollout; a draft
+worker called without its stream) raises Unbatched: from then on the calls
+go one by one.
 """
 
 from __future__ import annotations
@@ -20,18 +23,21 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
-from proto.specsplit.v1 import specsplit_pb2 as pb
 from workers.protocol import WorkerError
+
+Request = TypeVar("Request")  # one call's request (pb.VerifyRequest, pb.ProposeRequest)
+Response = TypeVar("Response")  # its response
 
 
 class Unbatched(Exception):
-    """The worker does not serve VerifyBatch."""
+    """The worker does not take these calls in batches."""
 
 
 @dataclass
-class _Batch:
-    requests: list[pb.VerifyRequest]
+class _Batch(Generic[Request]):
+    requests: list[Request]
     callers: list[asyncio.Future]
     task: asyncio.Task | None = None
     answered: bool = False  # the call returned: the callers are being answered
@@ -43,17 +49,17 @@ class _Batch:
 
 
 @dataclass
-class Coalescer:
-    """Verify requests made in one turn of the event loop, sent as one call."""
+class Coalescer(Generic[Request, Response]):
+    """Requests made in one turn of the event loop, sent as one batch."""
 
-    one: Callable[[pb.VerifyRequest], Awaitable[pb.VerifyResponse]]  # a Verify call
-    # a VerifyBatch call: each request's response or its error; raises Unbatched
-    many: Callable[[list[pb.VerifyRequest]], Awaitable[Sequence[pb.VerifyResponse | WorkerError]]]
-    batching: bool = True  # False once the worker said it has no VerifyBatch
-    queue: list[tuple[pb.VerifyRequest, asyncio.Future]] = field(default_factory=list)
+    one: Callable[[Request], Awaitable[Response]]  # one call
+    # a batch: each request's response or its error; raises Unbatched
+    many: Callable[[list[Request]], Awaitable[Sequence[Response | WorkerError]]]
+    batching: bool = True  # False once the worker said it takes no batches
+    queue: list[tuple[Request, asyncio.Future]] = field(default_factory=list)
     sending: set[asyncio.Task] = field(default_factory=set)
 
-    async def verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
+    async def call(self, request: Request) -> Response:
         if not self.batching:
             return await self.one(request)
         loop = asyncio.get_running_loop()
@@ -89,9 +95,7 @@ class Coalescer:
             else:
                 caller.set_result(answered)
 
-    async def answers(
-        self, requests: list[pb.VerifyRequest]
-    ) -> Sequence[pb.VerifyResponse | BaseException]:
+    async def answers(self, requests: list[Request]) -> Sequence[Response | BaseException]:
         if len(requests) == 1:
             return [await self.one(requests[0])]
         if self.batching:

@@ -5,9 +5,13 @@ against the worker's limit and fitted to the session's cache) -> the batcher,
 which hands the calls of all sessions to one runner step on the engine
 thread (`propose(calls)` for a drafter, `verify(calls)` for the target) ->
 response. Errors are raised as the runners raise them; the interceptor
-(workers/rpc/status.py) maps them to status codes. VerifyBatch submits its
-calls side by side and answers each with its response or its error's status;
-each is also counted as a Verify call.
+(workers/rpc/status.py) maps them to status codes. A batch message (VerifyBatch,
+and each message of VerifyStream or ProposeStream) submits its calls side by
+side and answers each with its response or its error's status; each is also
+counted as a Verify or Propose call. A stream answers its messages under their
+tags as they finish; once the worker shuts down it refuses each new one's calls
+with UNAVAILABLE, as the interceptor refuses a new call (workers/rpc/stream.py
+is the client side).
 """
 
 from __future__ import annotations
@@ -97,6 +101,19 @@ def verify_cost(call: VerifyCall, prefill_chunk: int | None = None) -> int:
     return brought(call.tokens, prefill_chunk) + len(call.tree) + 1
 
 
+@dataclass(frozen=True)
+class Batched:
+    """A method whose calls also travel several to a message (VerifyBatch, the streams)."""
+
+    method: str  # the servicer's method for one call, and the name it is counted under
+    result: type  # one call's answer: a response or a CallError
+    response: type  # the message's answer: the results and the tag
+
+
+VERIFY = Batched("Verify", pb.VerifyResult, pb.VerifyBatchResponse)
+PROPOSE = Batched("Propose", pb.ProposeResult, pb.ProposeBatchResponse)
+
+
 class WorkerServicer(pb_grpc.DraftServiceServicer, pb_grpc.TargetServiceServicer):
     """Propose (a draft), Verify (a target), EndSession and Info (both)."""
 
@@ -115,7 +132,7 @@ class WorkerServicer(pb_grpc.DraftServiceServicer, pb_grpc.TargetServiceServicer
         self.thread = thread
         self.max_tree_nodes = max_tree_nodes
         self.cache_len = cache_len  # a model draft's entries per session slot; 0 = no cache
-        self.on_call = on_call  # (method, status code name) of each call a VerifyBatch carried
+        self.on_call = on_call  # (method, status code name) of each call a message carried
         self.gate = gate if gate is not None else CallGate()  # a stream's calls go through it
 
     async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
@@ -132,30 +149,42 @@ class WorkerServicer(pb_grpc.DraftServiceServicer, pb_grpc.TargetServiceServicer
         return convert.verify_response(replace(outcome, timings=timings))
 
     async def VerifyBatch(self, request: pb.VerifyBatchRequest, context) -> pb.VerifyBatchResponse:
+        return await self.answer_batch(VERIFY, request, context)
+
+    async def VerifyStream(self, requests, context) -> None:
+        await self.answer_stream(VERIFY, requests, context)
+
+    async def ProposeStream(self, requests, context) -> None:
+        await self.answer_stream(PROPOSE, requests, context)
+
+    async def answer_batch(self, kind: Batched, request, context):
+        """Each call of a batch message submitted side by side and answered with its
+        response or its error's status; each counted as a call of its own."""
+        one = getattr(self, kind.method)
         answers = await asyncio.gather(
-            *(self.Verify(call, context) for call in request.calls), return_exceptions=True
+            *(one(call, context) for call in request.calls), return_exceptions=True
         )
         results = []
         for answered in answers:
             if isinstance(answered, asyncio.CancelledError):
                 raise answered
             if isinstance(answered, BaseException):
-                code, details = answer(answered, "Verify")
+                code, details = answer(answered, kind.method)
                 error = pb.CallError(code=code.value[0], details=details)
-                results.append(pb.VerifyResult(error=error))
+                results.append(kind.result(error=error))
             else:
                 code = grpc.StatusCode.OK
-                results.append(pb.VerifyResult(response=answered))
-            self.on_call("Verify", code.name)
-        return pb.VerifyBatchResponse(results=results)
+                results.append(kind.result(response=answered))
+            self.on_call(kind.method, code.name)
+        return kind.response(results=results)
 
-    async def VerifyStream(self, requests, context) -> None:
-        """Each VerifyBatch message answered on the stream as soon as its calls are, under
-        its tag; writes are one at a time (gRPC takes one write in flight per stream)."""
+    async def answer_stream(self, kind: Batched, requests, context) -> None:
+        """Each batch message answered on the stream as soon as its calls are, under its
+        tag; writes are one at a time (gRPC takes one write in flight per stream)."""
         writing = asyncio.Lock()
 
-        async def reply(request: pb.VerifyBatchRequest) -> None:
-            response = await self.stream_message(request, context)
+        async def reply(request) -> None:
+            response = await self.stream_message(kind, request, context)
             response.tag = request.tag
             async with writing:
                 await context.write(response)
@@ -164,20 +193,17 @@ class WorkerServicer(pb_grpc.DraftServiceServicer, pb_grpc.TargetServiceServicer
             async for request in requests:
                 replies.create_task(reply(request))
 
-    async def stream_message(
-        self, request: pb.VerifyBatchRequest, context
-    ) -> pb.VerifyBatchResponse:
+    async def stream_message(self, kind: Batched, request, context):
         """One message of a stream, as a call: refused once the worker shuts down, in
         flight until answered."""
         if self.gate.refusing:
             refused = pb.CallError(code=grpc.StatusCode.UNAVAILABLE.value[0], details=REFUSED)
             for _ in request.calls:
-                self.on_call("Verify", grpc.StatusCode.UNAVAILABLE.name)
-            results = [pb.VerifyResult(error=refused) for _ in request.calls]
-            return pb.VerifyBatchResponse(results=results)
+                self.on_call(kind.method, grpc.StatusCode.UNAVAILABLE.name)
+            return kind.response(results=[kind.result(error=refused) for _ in request.calls])
         self.gate.enter()
         try:
-            return await self.VerifyBatch(request, context)
+            return await self.answer_batch(kind, request, context)
         finally:
             self.gate.leave()
 

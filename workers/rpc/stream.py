@@ -1,12 +1,13 @@
-"""Client side of VerifyStream: every VerifyBatch of one worker as a message of one stream.
+"""Client side of VerifyStream and ProposeStream: a worker's batches as messages of one stream.
 
 A unary call costs grpc.aio a call's setup and teardown on both sides, about
 0.5 ms of a round trip on localhost where a message on an open stream costs
 0.15 (a 2-core VM): with a small or graphed model that is a large share of a
-round. `VerifyStream` opens one bidirectional stream to the worker on first
-use and queues each batch for the stream's writer under a fresh tag; its
-reader hands each response to the caller waiting on that tag. Responses may
-come back in any order (two batches in flight run in different steps).
+round. `CallStream` opens one bidirectional stream to the worker on first use
+and queues each batch (a VerifyBatchRequest or ProposeBatchRequest) for the
+stream's writer under a fresh tag; its reader hands each response to the
+caller waiting on that tag. Responses may come back in any order (two batches
+in flight run in different steps).
 
 Faults look as they do for unary calls: a caller that waits longer than the
 deadline gets WorkerDown (the worker's late answer is dropped); when the
@@ -36,9 +37,12 @@ from workers.rpc.status import error_from
 
 DONE = None  # queued after the last batch: the writer half-closes the stream
 
+Batch = pb.VerifyBatchRequest | pb.ProposeBatchRequest
+BatchAnswer = pb.VerifyBatchResponse | pb.ProposeBatchResponse
+
 
 class Unstreamed(Exception):
-    """The worker does not serve VerifyStream."""
+    """The worker does not serve the stream."""
 
 
 @dataclass
@@ -54,15 +58,15 @@ class _Open:
 
 
 @dataclass
-class VerifyStream:
-    """VerifyBatch calls to one worker as messages of one stream, opened on first use."""
+class CallStream:
+    """Batches of calls to one worker as messages of one stream, opened on first use."""
 
     open_call: Callable[[], grpc.aio.StreamStreamCall]  # starts the stream (stub method)
     timeout_s: float | None  # how long a caller waits for its answer; None = for ever
     tags: itertools.count = field(default_factory=lambda: itertools.count(1))
     current: _Open | None = None
 
-    async def send(self, batch: pb.VerifyBatchRequest) -> pb.VerifyBatchResponse:
+    async def send(self, batch: Batch) -> BatchAnswer:
         """The worker's answer to `batch` (its tag is set here); raises a WorkerError when
         the stream fails or the deadline passes, Unstreamed when the worker has no stream."""
         stream = self._stream()

@@ -1,5 +1,6 @@
-"""VerifyStream: a target's Verify calls as messages of one stream (workers/rpc/stream.py),
-with the faults of unary calls: deadlines, a worker killed or shutting down, an older worker."""
+"""VerifyStream and ProposeStream: a worker's round calls as messages of one stream
+(workers/rpc/stream.py), with the faults of unary calls: deadlines, a worker killed or
+shutting down, an older worker."""
 
 import asyncio
 import threading
@@ -9,8 +10,15 @@ import grpc
 import pytest
 
 from tests.engine.tiny import tiny_engine
-from tests.workers.helpers import scrape, settings, target_worker
-from workers.protocol import VerifyCall, VerifyOutcome, WorkerDown
+from tests.workers.helpers import draft_worker, scrape, settings, target_worker
+from workers.protocol import (
+    InvalidCall,
+    ProposeCall,
+    TreeSpec,
+    VerifyCall,
+    VerifyOutcome,
+    WorkerDown,
+)
 from workers.rpc.client import GrpcBackend
 from workers.rpc.service import WorkerServicer, serve_role
 from workers.speculation.sampling import SamplingParams
@@ -146,3 +154,53 @@ async def test_a_worker_without_the_stream_gets_its_rounds_as_calls(monkeypatch)
             ("VerifyBatch", "OK"): 1,
             ("Verify", "OK"): 4,
         }
+
+
+HISTORIES = {"a": [5, 6, 7, 5, 6, 7, 5, 6], "b": [1, 2, 3, 4, 1, 2, 3], "c": [9, 8, 9, 8, 9]}
+
+
+def proposal(session_id: str, history: list[int], spec: TreeSpec = TreeSpec(depth=3)):
+    return ProposeCall(session_id, 0, history, spec)
+
+
+def same_tree(one, other) -> bool:
+    return one.tokens.tolist() == other.tokens.tolist() and (
+        one.parents.tolist() == other.parents.tolist()
+    )
+
+
+async def test_proposals_made_together_travel_in_one_message_and_answer_as_alone():
+    async with draft_worker(None) as (server, draft):
+        calls = [proposal(sid, history) for sid, history in HISTORIES.items()]
+        together = await asyncio.gather(*(draft.propose(call) for call in calls))
+        assert (draft.wire.messages, draft.wire.calls) == (1, 3) and draft.streaming
+        for call, tree in zip(calls, together, strict=True):
+            assert len(tree) > 0
+            alone = await draft.propose(proposal(call.session_id + "-alone", call.tokens))
+            assert same_tree(tree, alone)
+        assert counts(server) == {("Propose", "OK"): 6}
+
+
+async def test_each_proposal_of_a_message_gets_its_own_error():
+    async with draft_worker(None, max_tree_nodes=8) as (server, draft):
+        good = proposal("a", HISTORIES["a"], TreeSpec(depth=3, budget=8))
+        too_big = proposal("b", HISTORIES["b"], TreeSpec(depth=4, branching=2, budget=16))
+        answers = await asyncio.gather(
+            draft.propose(good), draft.propose(too_big), return_exceptions=True
+        )
+        assert len(answers[0]) > 0
+        assert isinstance(answers[1], InvalidCall)
+        assert counts(server) == {("Propose", "OK"): 1, ("Propose", "INVALID_ARGUMENT"): 1}
+
+
+async def test_a_draft_worker_without_the_stream_gets_its_proposals_one_call_each(monkeypatch):
+    async def unknown(self, requests, context):  # what gRPC answers a build without it
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+
+    monkeypatch.setattr(WorkerServicer, "ProposeStream", unknown)
+    async with draft_worker(None) as (server, draft):
+        calls = [proposal(sid, history) for sid, history in HISTORIES.items()]
+        trees = await asyncio.gather(*(draft.propose(call) for call in calls))
+        assert not draft.streaming and not draft.calls.batching
+        assert all(len(tree) > 0 for tree in trees)
+        assert counts(server) == {("ProposeStream", "UNIMPLEMENTED"): 1, ("Propose", "OK"): 3}
