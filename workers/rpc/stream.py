@@ -54,7 +54,6 @@ class _Open:
     waiting: dict[int, asyncio.Future] = field(default_factory=dict)
     tasks: list[asyncio.Task] = field(default_factory=list)  # writer, reader
     closed: bool = False  # the reader saw the stream end: no more answers come
-    failure: Exception | None = None  # what a caller still waiting gets, once closed
 
 
 @dataclass
@@ -86,8 +85,8 @@ class CallStream:
             stream = _Open(self.open_call())
             loop = asyncio.get_running_loop()
             stream.tasks = [
-                loop.create_task(self._write(stream), name="verify-stream-writer"),
-                loop.create_task(self._read(stream), name="verify-stream-reader"),
+                loop.create_task(self._write(stream), name="call-stream-writer"),
+                loop.create_task(self._read(stream), name="call-stream-reader"),
             ]
             self.current = stream
         return self.current
@@ -117,10 +116,10 @@ class CallStream:
         finally:
             stream.closed = True
             stream.tasks[0].cancel()  # the writer: nothing it writes will be answered
-            stream.failure = await self._failure(stream.call)
+            failure = await self._failure(stream.call)
             for answer in stream.waiting.values():
                 if not answer.done():
-                    answer.set_exception(stream.failure)
+                    answer.set_exception(failure)
 
     @staticmethod
     async def _failure(call: grpc.aio.StreamStreamCall) -> Exception:
