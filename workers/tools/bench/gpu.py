@@ -82,10 +82,11 @@ def timed(run, repeats: int) -> tuple[float, list[int]]:
     return statistics.median(times), out
 
 
-def served_rates(engine: Engine, s: GpuBenchSettings) -> list[float]:
+def served_rates(engine: Engine, s: GpuBenchSettings, streaming: bool = True) -> list[float]:
     """Tokens/s of a target worker on `engine` over gRPC, no draft, greedy, for each of
     `--sessions` concurrent sessions of random prompts (bench/workers.py); each count runs
-    twice and the second is timed (the first captures its layouts' graphs)."""
+    twice and the second is timed (the first captures its layouts' graphs). `streaming`
+    False: each round a unary call, not a message of the worker's stream."""
     gen = torch.Generator().manual_seed(1)
     plans = [
         Plan(
@@ -96,7 +97,9 @@ def served_rates(engine: Engine, s: GpuBenchSettings) -> list[float]:
         for _ in range(max(s.sessions))
     ]
     counts = s.sessions + s.sessions
-    rows = asyncio.run(served_rows(engine, plans, counts, draft=False, batch_wait_ms=2.0))
+    rows = asyncio.run(
+        served_rows(engine, plans, counts, draft=False, batch_wait_ms=2.0, streaming=streaming)
+    )
     return [r.tokens / r.seconds for r in rows[len(s.sessions) :]]
 
 
@@ -143,6 +146,10 @@ def dtype_rows(
         del engine, decoder
         engine = Engine.from_hf(hf, None, config, "llama-1b-random")  # its slots all free
         served[name] = served_rates(engine, s)
+        if graphs:  # the stream's gain where a round is short
+            del engine
+            engine = Engine.from_hf(hf, None, config, "llama-1b-random")
+            served[name + ", Verify as calls"] = served_rates(engine, s, streaming=False)
         del engine
         torch.cuda.empty_cache()
     base, reference = rows["transformers generate"]

@@ -117,10 +117,12 @@ async def served_rows(
     sessions: list[int],
     draft: bool,
     batch_wait_ms: float,
+    streaming: bool = True,
 ) -> list[Row]:
     """Serves `engine` as a target worker (beside an n-gram draft worker where `draft`) on
     localhost and runs the first n plans as concurrent sessions for each n of `sessions`,
-    after a short warm-up generation."""
+    after a short warm-up generation; `streaming` False: the round's calls as unary calls,
+    not stream messages."""
     worker = dict(
         host="127.0.0.1", port=0, metrics_port=0, health_port=0, drain_s=0.0, insecure=True
     )
@@ -130,8 +132,8 @@ async def served_rows(
     draft_server = await serve_role("draft", None, WorkerSettings(role="draft", **worker))
     try:
         async with (
-            GrpcBackend("target", f"127.0.0.1:{target_server.port}") as target,
-            GrpcBackend("draft", f"127.0.0.1:{draft_server.port}") as drafts,
+            GrpcBackend("target", f"127.0.0.1:{target_server.port}", streaming=streaming) as target,
+            GrpcBackend("draft", f"127.0.0.1:{draft_server.port}", streaming=streaming) as drafts,
         ):
             if draft:
                 check_pair(await drafts.info(), await target.info())
