@@ -6,6 +6,7 @@ recovers without changing a token."""
 import asyncio
 import itertools
 import uuid
+from dataclasses import replace
 
 import pytest
 import torch
@@ -400,3 +401,35 @@ async def test_the_same_test_rejects_a_lossy_verification():
     """Power: the feature path with a lossy acceptance rule must fail the test decisively."""
     counts = await sampled_counts("inprocess", AcceptanceRule("threshold", threshold=0.05))
     assert chi_square_p(counts) < 1e-6
+
+
+def test_a_feature_session_takes_a_prefix_whose_states_another_feature_session_left():
+    """The target keeps the states of the full blocks a feature session's answer covered:
+    another feature session on the same prefix takes those blocks' KV and their states, and
+    gets the states and tokens an unshared prefill gives, chunked or not; not under another
+    salt, and not once the states' budget has dropped them."""
+    prompt = [(7 * i + 3) % 90 + 1 for i in range(40)]  # 2.5 KV blocks of 16
+    other = prompt[:36] + [1, 2, 3, 4]  # the first two blocks in common
+
+    def call(session: str, tokens: list[int], salt: str = "") -> VerifyCall:
+        return VerifyCall(session, 0, tokens, TokenTree.empty(), GREEDY, return_hidden=True)
+
+    def answer(runner: TargetRunner, c: VerifyCall) -> VerifyOutcome:
+        while (out := runner.verify([c])[0]) is UNFINISHED:
+            pass
+        return out
+
+    (alone,) = TargetRunner(tiny_engine(seed=0, slots=1), SessionTable(1)).verify(
+        [call("x", other)]
+    )
+    for chunk in (None, 8):
+        runner = TargetRunner(tiny_engine(seed=0, slots=4), SessionTable(4), prefill_chunk=chunk)
+        assert answer(runner, call("a", prompt)).prefix_hit == 0
+        shared = answer(runner, call("b", other))
+        assert shared.prefix_hit == 32 and shared.emitted == alone.emitted
+        assert shared.hidden.start == 0
+        assert torch.equal(shared.hidden.states, alone.hidden.states)
+        assert answer(runner, replace(call("c", other), cache_salt="t")).prefix_hit == 0
+    tight = TargetRunner(tiny_engine(seed=0, slots=4), SessionTable(4), state_bytes=16 * 64 * 2)
+    answer(tight, call("a", prompt))  # keeps one block's states: the second
+    assert answer(tight, call("b", other)).prefix_hit == 0

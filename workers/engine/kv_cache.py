@@ -159,14 +159,17 @@ class PagedKVCache:
             self.prefixes.publish(digest, int(self.tables[slot, block]))
         known += new
 
-    def adopt(self, slot: int, tokens: list[int], hit: int, salt: str = "") -> int:
+    def adopt(
+        self, slot: int, tokens: list[int], hit: int, salt: str = "", most: int | None = None
+    ) -> int:
         """Starts the slot over `tokens`, keeping the first `hit` columns it holds, or instead
-        taking the longest run of published blocks holding a prefix of `tokens[:-1]` under
-        `salt` where that is longer; returns the columns cached. A slot whose salt changes
-        keeps none of its own (the caller passes `hit` 0)."""
+        taking the longest run of published blocks holding a prefix of `tokens[:-1]` (of its
+        first `most` tokens, where given) under `salt` where that is longer; returns the
+        columns cached. A slot whose salt changes keeps none of its own (the caller passes
+        `hit` 0)."""
         found: list[tuple[bytes, int]] = []
         if self.prefixes is not None:
-            for digest in digests(tokens[:-1], self.block_size, root(salt)):
+            for digest in digests(tokens[:-1][:most], self.block_size, root(salt)):
                 block = self.prefixes.blocks.get(digest)
                 if block is None:
                     break

@@ -95,15 +95,16 @@ class SessionTable:
         busy: set[str] = frozenset(),
         rollback: bool = False,
         salt: str = "",
-        reuse: bool = True,
+        reuse: int | None = None,
     ) -> SyncResult:
         """Brings a session up to `base_len` + `tokens`; see the module docstring.
 
         With `rollback`, a session holding more than `base_len` tokens first
         drops the tokens past it: a draft's history may run ahead on a guess
         (the gateway's overlapped loop), and a draft cannot affect the output.
-        Without `reuse`, a (re)started session feeds its whole history: nothing
-        cached, its own or shared, stands in for it.
+        `reuse` bounds the tokens of cached KV, its own or shared, that a
+        (re)started session may take instead of feeding them (None: no bound; 0:
+        it feeds its whole history).
         """
         if base_len == 0:
             return self.restart(session_id, tokens, busy, salt, reuse)
@@ -128,7 +129,7 @@ class SessionTable:
         history: list[int],
         busy: set[str],
         salt: str = "",
-        reuse: bool = True,
+        reuse: int | None = None,
     ) -> SyncResult:
         if not history:
             raise ValueError("a session cannot start from an empty history")
@@ -136,12 +137,13 @@ class SessionTable:
         if session is None:
             session = Session(session_id, self.allocate(busy))
             self.sessions[session_id] = session
+        most = len(history) - 1 if reuse is None else min(reuse, len(history) - 1)
         hit = common_prefix(session.committed[: session.cached], history)
-        hit = min(hit, len(history) - 1)  # the last token is fed again for its logits
-        if session.salt != salt or not reuse:  # under another salt, none of it is its own
+        hit = min(hit, most)  # the last token is fed again for its logits
+        if session.salt != salt:  # under another salt, none of it is its own
             hit = 0
-        if self.cache is not None and reuse:
-            hit = self.cache.adopt(session.slot, history, hit, salt)
+        if self.cache is not None and most > 0:
+            hit = self.cache.adopt(session.slot, history, hit, salt, most)
         elif self.cache is not None:  # no shared blocks either
             hit = self.cache.rewind(session.slot, 0)
         session.committed, session.cached, session.salt = list(history), hit, salt

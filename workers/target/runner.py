@@ -17,8 +17,11 @@ a chunk's keys and values are those the whole prompt would have written.
 A call with `return_hidden` (a session whose draft is a feature draft) also
 gets the final hidden states (before the final norm) of the positions it
 committed: every token it fed but the bonus token, its earlier prefill chunks'
-included (the newest `HIDDEN_BYTES` worth of them), as bfloat16 `Features`
-(workers/protocol/calls.py). Other calls get none.
+included, and those of the prefix it took from the prefix cache (the newest
+`HIDDEN_BYTES` worth of them), as bfloat16 `Features`
+(workers/protocol/calls.py). Other calls get none. Such a session takes cached
+KV only as far as the states of it are kept (workers/target/states.py), and
+its answers keep the states of the full blocks they cover for the next.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from workers.protocol import (
 from workers.speculation.sampling import TARGET_STREAM, round_generator
 from workers.speculation.tree import TokenTree, check_tokens, depths, validate_tree
 from workers.speculation.verify import verify
+from workers.target.states import STATE_BYTES, PrefixStates
 
 
 @dataclass
@@ -51,8 +55,8 @@ class Prefill:
 
     call: VerifyCall
     prefix_hit: int
-    # with return_hidden: the states after the chunks fed so far, (T_i, E) FEATURE_DTYPE each,
-    # the newest HIDDEN_BYTES worth
+    # with return_hidden: the states of the cached prefix taken, then after each chunk fed
+    # so far, (T_i, E) FEATURE_DTYPE each, the newest HIDDEN_BYTES worth
     states: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -64,6 +68,9 @@ class Prepared:
     prefix_hit: int
     chunk: bool = False  # the row is a prefill chunk: no tree, no logits, more to come
     prefill: Prefill | None = None  # the chunks fed before this row, if any
+    # with return_hidden, a (re)started session's states of the cached prefix it took,
+    # (prefix, E) FEATURE_DTYPE (in `prefill.states` instead when it is fed in chunks)
+    known: torch.Tensor | None = None
 
 
 def region(pending: list[int], tree: TokenTree) -> tuple[list[int], list[int]]:
@@ -87,6 +94,7 @@ class TargetRunner:
         max_tree_nodes: int | None = None,
         prefill_chunk: int | None = None,
         hidden_bytes: int = HIDDEN_BYTES,
+        state_bytes: int = STATE_BYTES,
     ):
         self.engine = engine
         self.table = table
@@ -95,6 +103,9 @@ class TargetRunner:
         self.prefill_chunk = prefill_chunk  # most pending tokens fed per step; None = all
         self.hidden_bytes = hidden_bytes  # most bytes of hidden states one call returns
         self.chunking: dict[str, Prefill] = {}  # session -> its call being fed in chunks
+        # the states of shared prompt prefixes, for feature sessions (with prefix caching)
+        shared = engine.cache.prefixes is not None
+        self.states = PrefixStates(engine.cache.block_size, state_bytes) if shared else None
 
     def prepare(self, call: VerifyCall, busy: set[str]) -> Prepared:
         going = self.chunking.pop(call.session_id, None)
@@ -104,16 +115,24 @@ class TargetRunner:
         else:
             going = None
             session, hit = self.sync(call, busy)
+        known = None
+        if going is None and call.return_hidden and call.base_len == 0 and session.cached:
+            assert self.states is not None  # sync took no cached KV without its states
+            known = self.states.rows(session.committed, call.cache_salt, session.cached)
         pending = session.pending
         if self.prefill_chunk and len(pending) > self.prefill_chunk:
             fed = pending[: self.prefill_chunk]
             row = SlotInput(session.slot, session.cached, list(range(-1, len(fed) - 1)), fed, 0)
-            self.chunking[call.session_id] = going = going or Prefill(call, hit)
+            if going is None:
+                going = Prefill(call, hit, [known] if known is not None else [])
+                known = None
+            self.chunking[call.session_id] = going
         else:
             tokens, parents = region(pending, call.tree)
             row = SlotInput(session.slot, session.cached, parents, tokens, len(call.tree) + 1)
         self.table.reserve(session, session.cached + len(row.parents), busy)
-        return Prepared(call, session, row, hit, chunk=row.logits_for == 0, prefill=going)
+        chunk = row.logits_for == 0
+        return Prepared(call, session, row, hit, chunk, going, known)
 
     def sync(self, call: VerifyCall, busy: set[str]) -> tuple[Session, int]:
         """Checks the call and brings its session up to date; returns it and the prefix hit."""
@@ -125,15 +144,15 @@ class TargetRunner:
                 f"session {call.session_id!r} would exceed the context of "
                 f"{self.engine.context_length} tokens"
             )
-        # a feature draft needs every prompt position's state, and cached KV holds none:
-        # a session that asks for states feeds its whole history when it (re)starts
+        # a feature draft needs every prompt position's state, and cached KV holds none: a
+        # session that asks for states takes cached KV only as far as their states are kept
+        reuse = None
+        if call.return_hidden:
+            reuse = 0
+            if call.base_len == 0 and self.states is not None:  # a (re)start
+                reuse = self.states.known(call.tokens, call.cache_salt)
         synced = self.table.sync(
-            call.session_id,
-            call.base_len,
-            call.tokens,
-            busy,
-            salt=call.cache_salt,
-            reuse=not call.return_hidden,
+            call.session_id, call.base_len, call.tokens, busy, salt=call.cache_salt, reuse=reuse
         )
         session = synced.session
         if session.cached == len(session.committed):  # the root must be fed for its logits
@@ -188,9 +207,13 @@ class TargetRunner:
         if call.return_hidden:  # the states of the positions kept: all but the bonus token's
             most = self.hidden_rows(hidden.shape[1])
             earlier = p.prefill.states if p.prefill is not None else []
+            known = [p.known] if p.known is not None else []
             newest = hidden[keep[-most:]].to(FEATURE_DTYPE).cpu()  # only what can be sent
-            states = torch.cat([*earlier, newest])[-most:]  # (R, E)
+            states = torch.cat([*earlier, *known, newest])[-most:]  # (R, E)
             features = Features(start + len(keep) - len(states), states)
+            if self.states is not None:
+                history = session.committed[: features.start + len(states)]
+                self.states.keep(history, call.cache_salt, features.start, states)
         return VerifyOutcome(verdict.accepted, emitted, logprobs, p.prefix_hit, hidden=features)
 
     def hidden_rows(self, width: int) -> int:
