@@ -137,9 +137,9 @@ class SessionTable:
         if session is None:
             session = Session(session_id, self.allocate(busy))
             self.sessions[session_id] = session
+        # the last token is fed again for its logits
         most = len(history) - 1 if reuse is None else min(reuse, len(history) - 1)
-        hit = common_prefix(session.committed[: session.cached], history)
-        hit = min(hit, most)  # the last token is fed again for its logits
+        hit = min(common_prefix(session.committed[: session.cached], history), most)
         if session.salt != salt:  # under another salt, none of it is its own
             hit = 0
         if self.cache is not None and most > 0:
