@@ -433,3 +433,25 @@ def test_a_feature_session_takes_a_prefix_whose_states_another_feature_session_l
     tight = TargetRunner(tiny_engine(seed=0, slots=4), SessionTable(4), state_bytes=16 * 64 * 2)
     answer(tight, call("a", prompt))  # keeps one block's states: the second
     assert answer(tight, call("b", other)).prefix_hit == 0
+
+
+def test_a_conversations_next_turn_takes_its_earlier_answers_states():
+    """The states of a feature session's answer are kept block by block as its rounds
+    complete them: the conversation's next turn (a new session on the whole history) takes
+    the KV and states of the blocks its earlier answer filled, as an unshared prefill has
+    them."""
+    prompt = [(7 * i + 3) % 90 + 1 for i in range(20)]
+    runner = TargetRunner(tiny_engine(seed=0, slots=4), SessionTable(4))
+    call = VerifyCall("turn1", 0, prompt, TokenTree.empty(), GREEDY, return_hidden=True)
+    history = prompt + runner.verify([call])[0].emitted
+    while len(history) < 52:  # plain decode rounds, one token each
+        step = VerifyCall("turn1", len(history), [], TokenTree.empty(), GREEDY, return_hidden=True)
+        history += runner.verify([step])[0].emitted
+    runner.end("turn1")
+    turn2 = history + [5, 6, 7]
+    call = VerifyCall("turn2", 0, turn2, TokenTree.empty(), GREEDY, return_hidden=True)
+    (second,) = runner.verify([call])
+    assert second.prefix_hit == 48  # three blocks, the last two filled by the answer
+    (alone,) = TargetRunner(tiny_engine(seed=0, slots=1), SessionTable(1)).verify([call])
+    assert second.emitted == alone.emitted and second.hidden.start == 0
+    torch.testing.assert_close(second.hidden.states, alone.hidden.states, atol=0, rtol=0)

@@ -21,7 +21,7 @@ included, and those of the prefix it took from the prefix cache (the newest
 `HIDDEN_BYTES` worth of them), as bfloat16 `Features`
 (workers/protocol/calls.py). Other calls get none. Such a session takes cached
 KV only as far as the states of it are kept (workers/target/states.py), and
-its answers keep the states of the full blocks they cover for the next.
+its answers keep the states of the full blocks they complete for the next.
 """
 
 from __future__ import annotations
@@ -105,7 +105,9 @@ class TargetRunner:
         self.chunking: dict[str, Prefill] = {}  # session -> its call being fed in chunks
         # the states of shared prompt prefixes, for feature sessions (with prefix caching)
         shared = engine.cache.prefixes is not None
-        self.states = PrefixStates(engine.cache.block_size, state_bytes) if shared else None
+        self.states = (
+            PrefixStates(engine.cache.block_size, state_bytes, engine.num_slots) if shared else None
+        )
 
     def prepare(self, call: VerifyCall, busy: set[str]) -> Prepared:
         going = self.chunking.pop(call.session_id, None)
@@ -151,6 +153,7 @@ class TargetRunner:
             reuse = 0
             if call.base_len == 0 and self.states is not None:  # a (re)start
                 reuse = self.states.known(call.tokens, call.cache_salt)
+                self.states.forget(call.session_id)  # its tail followed another history
         synced = self.table.sync(
             call.session_id, call.base_len, call.tokens, busy, salt=call.cache_salt, reuse=reuse
         )
@@ -213,7 +216,7 @@ class TargetRunner:
             features = Features(start + len(keep) - len(states), states)
             if self.states is not None:
                 history = session.committed[: features.start + len(states)]
-                self.states.keep(history, call.cache_salt, features.start, states)
+                self.states.keep(session.id, history, call.cache_salt, features.start, states)
         return VerifyOutcome(verdict.accepted, emitted, logprobs, p.prefix_hit, hidden=features)
 
     def hidden_rows(self, width: int) -> int:
@@ -229,6 +232,8 @@ class TargetRunner:
 
     def end(self, session_id: str) -> bool:
         self.chunking.pop(session_id, None)
+        if self.states is not None:
+            self.states.forget(session_id)
         return self.table.end(session_id)
 
     def info(self) -> WorkerInfo:
