@@ -2,7 +2,9 @@
 bfloat16) prefills it whole when no states of the prefix are kept, and only past the
 prefix when another feature session left them (workers/target/states.py). Each request
 is a fresh session on one runner; the first warms the prefix, the rest are timed, with
-the state budget at its default and at zero (no states kept: the old behaviour).
+the state budget at its default and at zero (no states kept: the old behaviour). Then a
+conversation's second turn: the first turn answers 128 tokens in decode rounds, and the
+second turn (a new session on the whole history and a new question) is timed.
 
     PYTHONPATH=. python bench/runs/2026-11-27-streams/prefix_states.py [SYSTEM_WORDS]
 """
@@ -49,6 +51,25 @@ def main() -> None:
             runner.end(call.session_id)
         ms = statistics.median(times) * 1e3
         print(f"state budget {budget >> 20} MiB: first verify {ms:.1f} ms, hits {hits}", flush=True)
+        second_turn(engine, runner, prompts[0], f"t{budget}")
+
+
+def second_turn(engine: Engine, runner: TargetRunner, prompt: list[int], name: str) -> None:
+    greedy = SamplingParams()
+    first = VerifyCall(name + "-1", 0, prompt, TokenTree.empty(), greedy, return_hidden=True)
+    history = prompt + runner.verify([first])[0].emitted
+    while len(history) < len(prompt) + 128:
+        step = VerifyCall(name + "-1", len(history), [], TokenTree.empty(), greedy,
+                          return_hidden=True)  # fmt: skip
+        history += runner.verify([step])[0].emitted
+    runner.end(name + "-1")
+    turn = history + engine.tokenizer.encode("And what about the next one?")
+    call = VerifyCall(name + "-2", 0, turn, TokenTree.empty(), greedy, return_hidden=True)
+    start = time.perf_counter()
+    (out,) = runner.verify([call])
+    ms = (time.perf_counter() - start) * 1e3
+    print(f"  second turn of {len(turn)} tokens: first verify {ms:.1f} ms, hit {out.prefix_hit}")
+    runner.end(call.session_id)
 
 
 if __name__ == "__main__":
