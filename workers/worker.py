@@ -33,6 +33,7 @@ from workers.rpc.security import ServerSecurity, read, read_token
 from workers.rpc.server import ServerOptions, WorkerServer
 from workers.settings import EMBEDDED_MODEL, EngineOptions, parse, settings_config
 from workers.speculation.ngram import MAX_NGRAM
+from workers.target.states import STATE_BYTES
 
 if TYPE_CHECKING:
     from workers.engine.engine import EngineConfig
@@ -82,6 +83,13 @@ class WorkerSettings(EngineOptions):
         True,
         description="share the KV blocks of a prompt prefix between sessions (automatic prefix "
         "caching): a prompt whose first blocks another session has cached skips their prefill",
+    )
+    prefix_state_mib: int = Field(
+        STATE_BYTES >> 20,
+        ge=0,
+        description="with --prefix-caching, a target keeps the hidden states of cached prompt "
+        "blocks for feature-draft sessions in this many MiB (such a session reuses cached KV "
+        "only as far as their states reach); 0 = none",
     )
     idle_timeout_s: float = Field(600.0, gt=0, description="end sessions idle this long")
     metrics_port: int | None = Field(

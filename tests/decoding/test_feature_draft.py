@@ -455,3 +455,17 @@ def test_a_conversations_next_turn_takes_its_earlier_answers_states():
     (alone,) = TargetRunner(tiny_engine(seed=0, slots=1), SessionTable(1)).verify([call])
     assert second.emitted == alone.emitted and second.hidden.start == 0
     torch.testing.assert_close(second.hidden.states, alone.hidden.states, atol=0, rtol=0)
+
+
+async def test_a_target_workers_prefix_state_budget_is_its_flag():
+    for mib, reused in ((1, 32), (0, 0)):
+        async with target_worker(tiny_engine(seed=0, slots=4), prefix_state_mib=mib) as (
+            server,
+            target,
+        ):
+            assert server.servicer.runner.states.max_bytes == mib << 20
+            prompt = [(7 * i + 3) % 90 + 1 for i in range(40)]
+            for session in ("a", "b"):
+                call = VerifyCall(session, 0, prompt, TokenTree.empty(), GREEDY, return_hidden=True)
+                outcome = await target.verify(call)
+            assert outcome.prefix_hit == reused  # 0 MiB: b feeds its whole prompt again

@@ -230,7 +230,8 @@ def runner_for(
     table = SessionTable(engine.num_slots, idle_s)
     chunk = settings.prefill_chunk or None
     if role == "target":
-        return TargetRunner(metered, table, settings.max_tree_nodes, chunk), 0
+        states = settings.prefix_state_mib << 20
+        return TargetRunner(metered, table, settings.max_tree_nodes, chunk, state_bytes=states), 0
     return model_drafter(metered, table, chunk), engine.context_length + engine.max_tree_nodes
 
 

@@ -27,7 +27,8 @@ import torch
 
 from workers.engine.prefix_cache import digests, root
 
-STATE_BYTES = 64 << 20  # the default budget: 58,254 positions of a 576-wide model in bf16
+# the default budget (a worker's --prefix-state-mib): 58,254 positions of a 576-wide model
+STATE_BYTES = 64 << 20
 
 
 class PrefixStates:
