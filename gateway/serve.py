@@ -94,6 +94,12 @@ class ServeSettings(GatewayOptions, EngineOptions):
         WorkerSettings.model_fields["prefix_caching"].default,
         description="workers share the KV blocks of a common prompt prefix between sessions",
     )
+    worker_prefix_state_mib: int = Field(
+        WorkerSettings.model_fields["prefix_state_mib"].default,
+        ge=0,
+        description="MiB of hidden states each target keeps for feature-draft sessions' cached "
+        "prompt blocks (with --worker-prefix-caching); 0 = none",
+    )
     state_file: Path | None = Field(
         None, description="write the gateway URL and workers' addresses and pids here (JSON)"
     )
@@ -141,6 +147,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+WORKER_PREFIX = "worker_"  # serve's --worker-X is each worker's --X
 # the settings fields that name each file `issue` writes, on each side of the channel
 WORKER_FILES = dict(
     tls_cert="server.crt", tls_key="server.key", tls_client_ca="ca.crt", token_file="token"
@@ -157,20 +164,32 @@ def channel(tls: Path | None, files: dict[str, str]) -> dict:
     return {field: tls / name for field, name in files.items()}
 
 
+def worker_settings(
+    role: str, model: str, s: ServeSettings, tls: Path | None, port: int
+) -> WorkerSettings:
+    """The settings of a worker `serve` starts: its `--worker-X` options as the worker's `--X`."""
+    engine = {name: getattr(s, name) for name in EngineOptions.model_fields}
+    passed = {name.removeprefix(WORKER_PREFIX): getattr(s, name) for name in worker_options()}
+    return WorkerSettings(
+        role=role, host="127.0.0.1", port=port, model=model, metrics_port=0, health_port=0,
+        drain_s=0.0,  # the gateway stops first
+        parent_pid=os.getpid(),
+        **passed, **engine, **channel(tls, WORKER_FILES),
+    )  # fmt: skip
+
+
+def worker_options() -> list[str]:
+    """`serve`'s own `worker_X` settings, each the worker's `X`."""
+    own = set(ServeSettings.model_fields) - set(GatewayOptions.model_fields)
+    return sorted(n for n in own - set(EngineOptions.model_fields) if n.startswith(WORKER_PREFIX))
+
+
 def start_worker(
     role: str, model: str, s: ServeSettings, tls: Path | None, port: int | None = None
 ) -> Child:
     """A worker process on `port` (a free one when None)."""
     port = port or free_port()
-    engine = {name: getattr(s, name) for name in EngineOptions.model_fields}
-    worker = WorkerSettings(
-        role=role, host="127.0.0.1", port=port, model=model, metrics_port=0, health_port=0,
-        max_sessions=s.worker_max_sessions, kv_tokens=s.worker_kv_tokens,
-        prefill_chunk=s.worker_prefill_chunk, prefix_caching=s.worker_prefix_caching,
-        drain_s=0.0,  # the gateway stops first
-        parent_pid=os.getpid(),
-        **engine, **channel(tls, WORKER_FILES),
-    )  # fmt: skip
+    worker = worker_settings(role, model, s, tls, port)
     command = [sys.executable, "-m", "workers.tools.cli", "worker", *to_argv(worker, ("role",))]
     # a session of its own: a terminal's Ctrl-C reaches serve alone, which drains the gateway
     # before it stops the workers. No preexec_fn: Python between fork and exec is unsafe in a

@@ -21,11 +21,12 @@ import pytest
 import torch
 from openai import OpenAI
 
+from gateway.serve import ServeSettings, worker_options, worker_settings
 from tests.gateway.helpers import free_port, wait_until
 from workers.protocol import WorkerDown
 from workers.rpc.client import GrpcBackend
 from workers.rpc.security import client_of
-from workers.settings import EMBEDDED_MODEL
+from workers.settings import EMBEDDED_MODEL, to_argv
 
 MODEL = EMBEDDED_MODEL
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -245,3 +246,22 @@ def test_serve_ends_at_once_when_its_parent_has_gone():
     orphan = subprocess.run(command, capture_output=True, timeout=120)
     assert orphan.returncode == -signal.SIGTERM
     assert b"SpecSplit ready" not in orphan.stdout
+
+
+def test_every_worker_option_of_serve_reaches_the_workers_it_starts():
+    """`serve --worker-X V` starts workers with `--X V`, for every such option (each set
+    away from its default here, so a dropped one shows)."""
+    options = worker_options()
+    assert {"worker_max_sessions", "worker_prefix_state_mib", "worker_prefix_caching"} <= set(
+        options
+    )
+    changed = {}
+    for name in options:
+        default = ServeSettings.model_fields[name].default
+        changed[name] = (not default) if isinstance(default, bool) else default + 3
+    s = ServeSettings(**changed)
+    worker = worker_settings("target", MODEL, s, None, port=50051)
+    assert {n: getattr(worker, n.removeprefix("worker_")) for n in options} == changed
+    argv = to_argv(worker, ("role",))
+    assert "--prefix-state-mib" in argv
+    assert argv[argv.index("--prefix-state-mib") + 1] == str(changed["worker_prefix_state_mib"])
