@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from tests.distill.test_distill import check_draft_bench_table, settings
 from workers.engine.batch import SlotInput
@@ -26,7 +27,7 @@ from workers.speculation.sampling import SamplingParams
 from workers.tools.bench import draft as draft_bench
 from workers.tools.distill import prompts
 from workers.tools.distill.data import Teacher, load_batches
-from workers.tools.distill.eagle import target_states
+from workers.tools.distill.eagle import EagleTrainer, last_layer_output, target_states
 from workers.tools.distill.run import distill
 
 EAGLE = dict(method="eagle", steps=6, checkpoint_every=3, lr=3e-3)
@@ -130,3 +131,84 @@ def test_the_head_reads_out_only_the_ids_it_keeps(tiny_target, trained, tmp_path
     torch.testing.assert_close(reduced[:, kept], every[:, kept], rtol=0, atol=0)
     columns = heads[0].run([row], states, kept=True).logits[0]  # (3, K): the kept ids' alone
     torch.testing.assert_close(columns, reduced[:, kept], rtol=0, atol=0)
+
+
+def served_chain(trainer, ids, states, start: int, levels: int) -> list[torch.Tensor]:
+    """The states a served head predicts drafting a chain from committed position `start`:
+    the committed tokens fed one pass (the target's states), then one token a level, each
+    fed the state the head predicted for the one before, on the same cache.
+
+    ids: (T,) long; states: (T, E) -> levels x (E,)"""
+    head = trainer.head
+    embedded = head.model.embed_tokens(ids[None])  # (1, T, E)
+    before = torch.cat([torch.zeros_like(states[:1]), states[:-1]])[None]  # (1, T, E)
+    cache = DynamicCache(config=head.config)
+    x = trainer.fuse(torch.cat([before, embedded], dim=-1))[:, : start + 1]
+    positions = torch.arange(start + 1)[None]
+    out = last_layer_output(head, inputs_embeds=x, position_ids=positions, cache=cache)
+    chain = [out[0, -1]]
+    for t in range(start + 1, start + levels):
+        x = trainer.fuse(torch.cat([chain[-1][None, None], embedded[:, t : t + 1]], dim=-1))
+        step = last_layer_output(
+            head, inputs_embeds=x, position_ids=torch.tensor([[t]]), cache=cache
+        )
+        chain.append(step[0, -1])
+    return chain
+
+
+@torch.no_grad()
+def test_each_trained_level_is_what_a_served_chain_computes(tiny_target):
+    """Level k of the training forward at position t equals a served head's k-th state
+    drafting from t - k + 1 on its own cache, padded rows included (EAGLE-3's test)."""
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    e = target.config.hidden_size
+    trainer = EagleTrainer(target, seed=0, kept=torch.arange(target.config.vocab_size)).eval()
+    torch.nn.init.normal_(trainer.fuse.weight, std=0.05)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.config.vocab_size, (2, 12), generator=gen)
+    states = torch.randn(2, 12, e, generator=gen)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0  # the second row is 9 tokens long
+    levels = trainer(ids, states, mask, 3)
+    for row, length in ((0, 12), (1, 9)):
+        for start in range(length - 2):
+            chain = served_chain(trainer, ids[row, :length], states[row, :length], start, 3)
+            for k, predicted in enumerate(chain):
+                torch.testing.assert_close(levels[k][row, start + k], predicted)
+    assert all(torch.isfinite(level).all() for level in levels)
+
+
+def test_a_finished_head_learns_more_levels(tiny_target, trained, tmp_path):
+    """--init-from starts the layer and fuse from a head; --levels 2 reports each level's
+    top-1 and saves a head that still speculates losslessly."""
+    out, logs = tmp_path / "levels", []
+    first = EagleTrainer(
+        AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32),
+        seed=0,
+        kept=load_file(trained[0] / VOCAB_FILE)["ids"],
+    )
+    first.init_from(trained[0])
+    saved = load_file(trained[0] / "eagle_fuse.safetensors")["weight"].float()
+    torch.testing.assert_close(first.fuse.weight, saved)
+    extra = {**EAGLE, "levels": 2, "init_from": trained[0]}
+    report = distill(settings(tiny_target, out, **extra), log=logs.append)
+    assert report["recipe"]["levels"] == 2
+    assert len(report["heldout"]["top1_by_level"]) == 2
+    assert report["heldout"]["top1_by_level"][0] == report["heldout"]["top1"]
+    assert any("top-1 by level" in line for line in logs)
+    target = EngineConfig(model=str(tiny_target), max_sessions=2, max_seq_len=256)
+    plain, engine = build_local(target, "none")
+    chat = encode_chat(engine.tokenizer, [{"role": "user", "content": "Name three rivers."}])
+    speculative, _ = build_local(target, str(out), TreeSpec(depth=3, branching=2, budget=6))
+    run = speculative.generate(chat, 20, SamplingParams())
+    assert run.token_ids == plain.generate(chat, 20, SamplingParams()).token_ids
+
+
+def test_a_head_from_other_kept_ids_is_refused(tiny_target, trained, tmp_path):
+    trainer = EagleTrainer(
+        AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32),
+        seed=0,
+        kept=torch.arange(10),
+    )
+    with pytest.raises(ValueError, match="keeps other target ids"):
+        trainer.init_from(trained[0])

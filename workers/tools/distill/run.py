@@ -35,7 +35,7 @@ from workers.engine.engine import Engine, EngineConfig
 from workers.settings import EMBEDDED_MODEL, parse, settings_config
 from workers.tools.distill import prompts as prompt_set
 from workers.tools.distill.data import HELD_OUT, DataSpec, Example, Teacher, collect, duration
-from workers.tools.distill.eagle import export_eagle, target_states, train_eagle
+from workers.tools.distill.eagle import HeadSpec, export_eagle, target_states, train_eagle
 from workers.tools.distill.model import (
     DraftTrainer,
     choose_vocab,
@@ -65,7 +65,7 @@ TRAIN_RECIPE = (
     *("batch_size", "lr", "prompt_weight"),
 )
 # what an EAGLE head's training (and its kept vocabulary) depends on
-EAGLE_RECIPE = ("method", "steps", "batch_size", "lr", "vocab_top")
+EAGLE_RECIPE = ("method", "steps", "batch_size", "lr", "vocab_top", "levels", "init_from")
 
 
 class DistillSettings(BaseSettings):
@@ -103,6 +103,19 @@ class DistillSettings(BaseSettings):
         "builds, and generates faster (bench/DRAFT.md); auto as `specsplit serve --dtype auto`",
     )
     top_k: int = Field(32, ge=1, description="target candidates kept per position for the KL")
+    levels: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="eagle: tree levels trained; 1 feeds the target's states only, N also trains "
+        "levels 2..N fed the head's own predicted states, as a served tree expands them "
+        "(EAGLE-3's training-time test; a step costs about N times as much)",
+    )
+    init_from: Path | None = Field(
+        None,
+        description="eagle: a head directory to start the layer and fuse from (the same target "
+        "and kept ids), e.g. to train more --levels into a finished head",
+    )
     steps: int = Field(496, ge=1, description="optimizer steps")
     batch_size: int = Field(16, ge=1, description="sequences per optimizer step")
     lr: float = Field(1e-3, gt=0, description="peak learning rate")
@@ -221,7 +234,8 @@ def distill_eagle(
     examples, held = data
     steps = TrainSpec(s.steps, s.batch_size, s.lr, 0.0, s.checkpoint_every, s.seed)
     folder = s.out / "checkpoint"
-    trained = train_eagle(target_hf, data, states, kept, steps, folder, log, s.stop_after)
+    head = HeadSpec(s.levels, s.init_from)
+    trained = train_eagle(target_hf, data, states, kept, steps, folder, log, s.stop_after, head)
     if trained is None:
         return None
     trainer, results = trained
@@ -232,9 +246,15 @@ def distill_eagle(
         log(
             f"done: agreement of the head (fed the target's states) with the target's greedy "
             f"token on {split}: top-1 {result['top1']:.3f}, top-{TOP} {result[f'top{TOP}']:.3f}"
+            + _by_level(result)
         )
     log(f"saved {s.out} ({report['size_bytes'] / 1e6:.1f} MB)")
     return report
+
+
+def _by_level(result: dict) -> str:
+    levels = result.get("top1_by_level")
+    return "" if levels is None else "; top-1 by level " + " / ".join(f"{a:.3f}" for a in levels)
 
 
 def write_report(
