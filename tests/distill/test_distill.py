@@ -157,7 +157,8 @@ def test_draft_bench_rows_all_give_the_target_tokens(tiny_target, draft):
 
 
 def check_draft_bench_table(table: str) -> None:
-    """Both held-out sets have agreement figures; every decoder row gave the target's tokens."""
+    """Both held-out sets have agreement figures and tokens per target forward; every decoder
+    row gave the target's tokens on both."""
     lines = table.splitlines()
     sets = [line.split(" | ") for line in lines if line.startswith(("| heldout |", "| unlike |"))]
     assert [row[0] for row in sets] == ["| heldout", "| unlike"]
@@ -165,6 +166,9 @@ def check_draft_bench_table(table: str) -> None:
         assert int(row[1]) > 0 and int(row[4]) > 0
         assert all(0 <= float(cell.strip("*| ")) <= 1 for cell in (row[2], row[3], row[5]))
     rows = lines[lines.index(next(line for line in lines if line.startswith("| decoder |"))) :]
+    assert rows[0].endswith("| (b) tokens per target forward | (b) on unlike | same tokens |")
     rows = [line for line in rows[2:] if line.startswith("| ")]
     assert len(rows) == 7 and all(row.endswith("| yes |") for row in rows)
+    for row in rows:  # tokens per target forward on both sets: the bonus token at least
+        assert all(float(cell) >= 1.0 for cell in row.split(" | ")[3:5])
     assert "draft/target **" in table
