@@ -41,7 +41,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import DynamicCache
 
-from workers.engine.eagle import FUSE_FILE, init_eagle_head, load_vocab, save_eagle_head
+from workers.engine.eagle import init_eagle_head, load_fuse, load_vocab, save_eagle_head
 from workers.tools.distill.data import Example, Log, Teacher
 from workers.tools.distill.train import TOP, Checkpoint, Objective, TrainSpec, train
 
@@ -103,7 +103,7 @@ class EagleTrainer(nn.Module):
         layers = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
         with torch.no_grad():
             self.head.model.layers.load_state_dict({k: v.float() for k, v in layers.items()})
-            self.fuse.weight.copy_(load_file(Path(head_dir) / FUSE_FILE)["weight"])
+            self.fuse.weight.copy_(load_fuse(head_dir, torch.float32, "cpu").weight)
 
     def forward(self, ids, states, mask, levels: int = 1) -> list[torch.Tensor]:
         """The predicted state after each token at levels 1 … `levels` (module docstring),
