@@ -17,7 +17,7 @@ def test_bench_help_lists_every_kind(capsys):
     assert "usage: specsplit bench [KIND]" in out and "(default: serve)" in out
     listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
     kinds = ["serve", "engine", "ceiling", "workers", "draft", "admission"]
-    kinds += ["lossy", "prefill", "suffix", "gpu"]
+    kinds += ["lossy", "prefill", "suffix", "paired", "gpu"]
     assert listed == kinds == list(KINDS)
 
 

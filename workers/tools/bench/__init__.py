@@ -15,6 +15,7 @@ lossy.py     `lossy`: each lossy acceptance rule's speed and agreement with exac
 prefill.py   `prefill`: running streams' inter-token latency while a long prompt arrives
 suffix.py    `suffix`: the suffix cache off vs on, on workloads that repeat across requests
 gpu.py       `gpu`: the engine on a CUDA GPU, eager and graphed, vs transformers generate
+paired.py    `paired`: the default against speculation off inside one serve, wave by wave
 machine.py   the machine every kind reports, described once
 """
 
@@ -55,6 +56,10 @@ KINDS: Table = {
     "suffix": (
         "workers.tools.bench.suffix",
         "the suffix cache off vs on: repeated questions, an agent's file edits",
+    ),
+    "paired": (
+        "workers.tools.bench.paired",
+        "the default vs speculation off in one serve, waves taking turns (noise-robust)",
     ),
     "gpu": (
         "workers.tools.bench.gpu",

@@ -261,6 +261,7 @@ async def run_streams(
     requests_per_stream: int,
     max_tokens: int,
     count_tokens,
+    extra: dict | None = None,
 ) -> tuple[list[Timed], float]:
     """`streams` clients sending `streams * requests_per_stream` requests between them.
 
@@ -274,8 +275,8 @@ async def run_streams(
     request is a tenant of its own (a fresh Bearer key; the bench's serves accept any):
     the requests repeat the prompts, and the suffix cache a tenant's requests share
     would copy the earlier answers to the same prompt (`specsplit bench suffix`
-    measures that gain on purpose). Returns every request's timing, in request order,
-    and the wall time."""
+    measures that gain on purpose). `extra` adds fields to every request's body. Returns
+    every request's timing, in request order, and the wall time."""
     limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
     timeout = httpx.Timeout(600.0)
     total = streams * requests_per_stream
@@ -289,7 +290,7 @@ async def run_streams(
                 key = j % len(conversations)
                 messages, api_key = conversations[key], secrets.token_hex(8)
                 timed = await stream_chat(
-                    client, url, messages, max_tokens, count_tokens, api_key=api_key
+                    client, url, messages, max_tokens, count_tokens, extra, api_key
                 )
                 timed.key = key
                 timings[j] = timed

@@ -1,0 +1,175 @@
+"""`specsplit bench paired`: the default against speculation off inside one serve, wave by wave.
+
+Serves of the same configuration on these VMs differ by up to 1.5× (the
+machine's speed moves between minutes: a forward of the same eight decode
+rows took 22.5 ms in one serve and 30.7 ms in the next), so a row's serve
+against another's measures the machine more than the rows where they differ
+by a few per cent. Here one serve (`make run`'s defaults plus
+`--serve-args`) runs both: at each point of `--streams`, waves of requests
+alternate between the deployment's speculation (`"method": "auto"`) and
+speculation off (`"speculation": {"method": "off"}`, the target alone), the
+order flipping each pair (auto, off / off, auto / ...), so a slow minute
+falls on both and each pair's ratio compares seconds apart. A wave is
+`--streams` clients taking the workload's prompts from one queue
+(`serving.run_streams`), each sending at least `--requests-per-stream`; a
+pair of waves before the measured ones warms the serve and the prefix
+cache, so every wave finds the same prompts cached. Every answer must be
+the same text in both modes (greedy).
+
+Prints, per point: each mode's median tokens/s over its waves, the median
+of the pairs' ratios (auto / off) with their spread, the pairs where auto
+was ahead, and the default's tokens per target forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import shlex
+import statistics
+from dataclasses import dataclass
+
+from pydantic import Field
+from pydantic_settings import BaseSettings
+
+from workers.settings import parse, settings_config
+from workers.tools.bench.machine import describe, load_words
+from workers.tools.bench.measure import Figures
+from workers.tools.bench.serving import MODEL_NAME, ServeProcess, run_streams
+from workers.tools.bench.workloads import messages, warm_up
+
+MODES = {"auto": None, "off": {"speculation": {"method": "off"}}}  # a request's extra body
+
+
+class PairedBenchSettings(BaseSettings):
+    model_config = settings_config("bench paired")
+
+    workload: str = Field("chat", description="grounded, humaneval, chat or shared-system")
+    prompts: int = Field(24, ge=1, description="the workload's prompts")
+    max_tokens: int = Field(64, ge=1, description="most new tokens per request")
+    streams: str = Field("1,4,8,16,32", description="concurrent streams, one serve per point")
+    requests_per_stream: int = Field(
+        2, ge=1, description="each stream of a wave sends at least this many requests"
+    )
+    pairs: int = Field(6, ge=1, description="measured pairs of waves (auto, off) per point")
+    serve_args: str = Field("", description="extra `specsplit serve` arguments")
+
+    def points(self) -> list[int]:
+        return [int(x) for x in self.streams.split(",") if x.strip()]
+
+
+@dataclass(frozen=True)
+class Wave:
+    mode: str
+    figures: Figures
+    texts: dict[int, str]  # conversation -> answer
+
+    @property
+    def tok_s(self) -> float:
+        return self.figures.tok_s_total
+
+
+@dataclass(frozen=True)
+class Point:
+    streams: int
+    waves: list[Wave]  # the measured ones, in order (the warm-up pair left out)
+
+    def of(self, mode: str) -> list[Wave]:
+        return [w for w in self.waves if w.mode == mode]
+
+    def ratios(self) -> list[float]:
+        """auto / off of each pair of waves."""
+        return [a.tok_s / o.tok_s for a, o in zip(self.of("auto"), self.of("off"), strict=True)]
+
+    def tau(self) -> float | None:
+        """Tokens per target forward of the default's waves."""
+        taus = [w.figures.tau for w in self.of("auto") if w.figures.tau is not None]
+        return statistics.median(taus) if taus else None
+
+
+def pair_order(pair: int) -> tuple[str, str]:
+    """Which mode goes first in pair `pair`: they take turns, so neither always follows the
+    other (the first wave of a pair finds the machine as the previous pair's second left it)."""
+    return ("auto", "off") if pair % 2 == 0 else ("off", "auto")
+
+
+def different_texts(waves: list[Wave]) -> list[int]:
+    """Conversations whose answer was not the same text in every wave."""
+    answers: dict[int, set[str]] = {}
+    for wave in waves:
+        for key, text in wave.texts.items():
+            answers.setdefault(key, set()).add(text)
+    return sorted(key for key, texts in answers.items() if len(texts) > 1)
+
+
+async def run_wave(url: str, s: PairedBenchSettings, streams: int, mode: str) -> Wave:
+    conversations = messages(s.workload, s.prompts)
+    per_stream = max(s.requests_per_stream, math.ceil(len(conversations) / streams))
+    timed, wall = await run_streams(
+        url, conversations, streams, per_stream, s.max_tokens, lambda text: 1, MODES[mode]
+    )
+    return Wave(mode, Figures.of(timed, wall), {t.key: t.text for t in timed})
+
+
+async def run_point(url: str, s: PairedBenchSettings, streams: int) -> Point:
+    await run_streams(url, [warm_up(messages(s.workload, 1))], 1, 1, 8, lambda text: 1)
+    waves = []
+    for pair in range(s.pairs + 1):  # pair 0 warms the serve up
+        for mode in pair_order(pair):
+            wave = await run_wave(url, s, streams, mode)
+            if pair:
+                waves.append(wave)
+    return Point(streams, waves)
+
+
+def serve_args(s: PairedBenchSettings, streams: int) -> list[str]:
+    """`make run`'s serve (`--dtype auto`), room for the point's streams, then --serve-args."""
+    args = ["--served-model-name", MODEL_NAME, "--log-level", "warning", "--dtype", "auto"]
+    args += ["--max-sessions", "256", "--worker-max-sessions", str(max(8, streams))]
+    return args + shlex.split(s.serve_args)
+
+
+def measure(s: PairedBenchSettings) -> list[Point]:
+    points = []
+    for streams in s.points():
+        with ServeProcess(serve_args(s, streams)) as serve:
+            points.append(asyncio.run(run_point(serve.url, s, streams)))
+    return points
+
+
+def table(points: list[Point]) -> list[str]:
+    lines = [
+        "| streams | off, tokens/s | the default, tokens/s | default / off, median of pairs "
+        "| pairs' range | default ahead | τ of the default | same texts |",
+        "|---:|---:|---:|---:|---|---:|---:|:---:|",
+    ]
+    for point in points:
+        ratios = point.ratios()
+        off = statistics.median(w.tok_s for w in point.of("off"))
+        auto = statistics.median(w.tok_s for w in point.of("auto"))
+        tau = point.tau()
+        ahead = sum(r > 1.0 for r in ratios)
+        same = "yes" if not different_texts(point.waves) else "NO"
+        lines.append(
+            f"| {point.streams} | {off:.1f} | {auto:.1f} | **{statistics.median(ratios):.2f}** "
+            f"| {min(ratios):.2f}–{max(ratios):.2f} | {ahead} of {len(ratios)} "
+            f"| {'-' if tau is None else f'{tau:.2f}'} | {same} |"
+        )
+    return lines
+
+
+def run(s: PairedBenchSettings) -> str:
+    load = load_words()
+    points = measure(s)
+    head = [
+        f"`specsplit bench paired`: {s.workload}, {s.prompts} prompts, {s.max_tokens} tokens "
+        f"a request, {s.pairs} pairs of waves a point; serve: `make run`'s defaults"
+        + (f" and `{s.serve_args}`" if s.serve_args else ""),
+        f"machine: {describe()}; load average before {load}, after {load_words()}",
+        "",
+    ]
+    return "\n".join(head + table(points))
+
+
+def main(argv: list[str]) -> None:
+    print(run(parse(PairedBenchSettings, argv)))
