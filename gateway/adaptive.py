@@ -65,7 +65,8 @@ start together learn from each other's first rounds. A session drafts when
 its recent rounds went well, and the rounds after a good streak accept less
 than it promised, most on open-ended text: the expected accepted tokens,
 E(D) - 1, are scaled by what drafted rounds accepted against what their
-estimates promised, over every session's recent rounds (`Calibration`).
+estimates promised, at the round's depth, over every session's recent rounds
+(`Calibration`).
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ class AdaptiveConfig:
     cost_ewma: float = 0.05  # weight of the newest round in a target's cost fit
     prior_weight: float = 1.0  # rounds' worth of belief in knee_tokens once a target is measured
     calibration_ewma: float = 0.02  # weight of the newest drafted round in the calibration
+    # each drafted round pulls every other depth's calibration this far towards every depth's
+    depth_relax: float = 0.002
 
     def __post_init__(self):
         if self.knee_tokens < 0 or not 0 < self.ewma <= 1 or not 0 <= self.prior_rate < 1:
@@ -99,10 +102,12 @@ class AdaptiveConfig:
             not 0 < self.cost_ewma <= 1
             or self.prior_weight <= 0
             or not 0 < self.calibration_ewma <= 1
+            or not 0 <= self.depth_relax <= 1
         ):
             raise ValueError(
-                f"need 0 < cost_ewma <= 1, prior_weight > 0, 0 < calibration_ewma <= 1; got "
-                f"{self.cost_ewma}, {self.prior_weight}, {self.calibration_ewma}"
+                "need 0 < cost_ewma <= 1, prior_weight > 0, 0 < calibration_ewma <= 1, "
+                f"0 <= depth_relax <= 1; got {self.cost_ewma}, {self.prior_weight}, "
+                f"{self.calibration_ewma}, {self.depth_relax}"
             )
 
 
@@ -214,27 +219,65 @@ class Acceptance:
 
 
 @dataclass
-class Calibration:
-    """Draft tokens that drafted rounds accepted against those their estimates promised.
+class Ratio:
+    """Weighted draft tokens accepted against those promised (each an exponentially weighted
+    mean per drafted round)."""
 
-    A session drafts when its recent rounds went well, and copied runs end: the
-    rounds that follow a good streak accept less than the streak promised
-    (regression to the mean), most on open-ended text. The promise is scaled by
-    `factor`, measured over every session's recent drafted rounds (weight
-    `calibration_ewma` for the newest).
-    """
+    promised: float = 1.0
+    accepted: float = 1.0
 
-    promised: float = 1.0  # weighted draft tokens the estimates expected per drafted round
-    accepted: float = 1.0  # weighted draft tokens those rounds accepted
-
-    def observe(self, promised: float, accepted: int, config: AdaptiveConfig) -> None:
-        w = config.calibration_ewma
-        self.promised += w * (promised - self.promised)
-        self.accepted += w * (accepted - self.accepted)
+    def observe(self, promised: float, accepted: float, weight: float) -> None:
+        self.promised += weight * (promised - self.promised)
+        self.accepted += weight * (accepted - self.accepted)
 
     @property
     def factor(self) -> float:
         return self.accepted / self.promised if self.promised > 0 else 1.0
+
+
+@dataclass
+class Calibration:
+    """Draft tokens that drafted rounds accepted against those their estimates promised, by
+    the rounds' depth.
+
+    A session drafts when its recent rounds went well, and copied runs end: the
+    rounds that follow a good streak accept less than the streak promised
+    (regression to the mean), most on open-ended text. And acceptance is not
+    geometric: on chat, at 8 streams, one- and two-level chains accepted about
+    what they promised while chains five and six deep accepted a quarter to
+    half of it (bench/RESULTS.md). So each depth's promise is scaled by its own
+    `factor`, measured over every session's recent drafted rounds of that depth
+    (weight `calibration_ewma` for the newest, as for the ratio over every
+    depth's rounds: a depth learnt at another pace would look better or worse
+    than the depths not drafted yet only for learning faster). A depth not
+    drafted yet starts from the ratio over every depth's rounds, and every
+    drafted round pulls the other depths' ratios `depth_relax` of the way
+    towards it: a depth whose rounds fell short is not drafted, so it learns
+    nothing of its own, and without the pull it would stay cut when the text
+    turns copyable and the shallower rounds' promises come true (about 350
+    drafted rounds halve its distance).
+    """
+
+    overall: Ratio = field(default_factory=Ratio)  # every depth's rounds
+    by_depth: dict[int, Ratio] = field(default_factory=dict)  # a tree's depth -> its rounds'
+
+    def observe(self, depth: int, promised: float, accepted: int, config: AdaptiveConfig) -> None:
+        ratio = self.by_depth.get(depth)
+        if ratio is None:
+            ratio = self.by_depth[depth] = replace(self.overall)
+        ratio.observe(promised, accepted, config.calibration_ewma)
+        self.overall.observe(promised, accepted, config.calibration_ewma)
+        for other in self.by_depth.values():
+            if other is not ratio:
+                other.observe(self.overall.promised, self.overall.accepted, config.depth_relax)
+
+    def factor(self, depth: int) -> float:
+        """What rounds `depth` deep accept of their promise."""
+        return self.by_depth.get(depth, self.overall).factor
+
+    def most(self) -> float:
+        """The largest factor of any depth: a bound on every depth's."""
+        return max([self.overall.factor, *(r.factor for r in self.by_depth.values())])
 
 
 @dataclass
@@ -324,8 +367,9 @@ def can_pay(rates: Rates, sessions: int, cost: RoundCost) -> bool:
       second are then at most the mediant of no draft's and the first level's);
     - trees: every tree shape has two nodes or more, so it costs at least a round feeding
       3 tokens a session over one level, and gains at most c alpha / (1 - alpha) at the
-      trees' acceptance (alpha held below 1)."""
-    factor = rates.calibration.factor
+      trees' acceptance (alpha held below 1).
+    Each depth's calibration differs, so both bounds take the largest factor of any depth."""
+    factor = rates.calibration.most()
     plain = 1.0 / cost.seconds(sessions, 0)
     chain = (1.0 + min(1.0, factor * rates.chain.rate)) / cost.seconds(2 * sessions, 1)
     rate = min(rates.tree.rate, 0.999)
@@ -356,7 +400,7 @@ def weigh_shapes(rates: Rates, sessions: int, spec: TreeSpec, cost: RoundCost) -
 
     def speed(shape: tuple[int, int, float]) -> float:
         d, n, rate = shape
-        gain = min(d, rates.calibration.factor * (expected_tokens(rate, d) - 1.0))
+        gain = min(d, rates.calibration.factor(d) * (expected_tokens(rate, d) - 1.0))
         return (1.0 + gain) / cost.seconds(s * (1 + n), d)
 
     d, n, _ = max(shapes, key=lambda shape: (speed(shape), -shape[1], -shape[0]))

@@ -314,7 +314,7 @@ class Speculation(Loop):
             # (and calibrate by) what exact rounds accepted
             if self.recent is not None and self.state.plan.acceptance.lossless:
                 self.recent.observe(shape, round_.accepted, on_spine, self.config)
-                self.rates.calibration.observe(promised, round_.accepted, self.config)
+                self.rates.calibration.observe(path_depth, promised, round_.accepted, self.config)
             # a round with n-gram nodes timed the lookup (and maybe a smaller draft call),
             # not the draft's levels of its depth
             if not round_.degraded and not self.options.overlap and not self.local_nodes:

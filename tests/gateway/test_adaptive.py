@@ -15,6 +15,7 @@ from gateway.adaptive import (
     Calibration,
     CostFit,
     Rates,
+    Ratio,
     RoundCost,
     RoundShape,
     adapt,
@@ -93,15 +94,24 @@ def test_a_tree_costs_its_nodes_and_a_draft_its_levels():
 def test_rounds_where_no_draft_can_pay_skip_weighing_shapes_and_choose_the_same():
     rng = random.Random(15)
     skipped = cut_short = 0
-    for _ in range(3000):
+    for draw in range(6000):
         estimates = rates(rng.random() ** 2, rng.random() ** 2)
-        estimates.calibration = Calibration(promised=1.0, accepted=rng.uniform(0.1, 1.5))
+        overall = Ratio(1.0, rng.uniform(0.1, 1.5))
+        # every other draw calibrates some depths on their own (the shortcut's bound is then
+        # the largest factor): the same choice; the others keep one factor, where most
+        # rounds without a draft must end at the shortcut
+        own = draw % 2 == 1
+        by_depth = {
+            d: Ratio(1.0, rng.uniform(0.1, 1.5)) for d in range(1, 17) if own and rng.random() < 0.3
+        }
+        estimates.calibration = Calibration(overall, by_depth)
         cost = RoundCost(rng.uniform(0, 60), rng.uniform(0.01, 5), rng.choice([0, rng.random()]))
         sessions, spec = rng.choice([1, 2, 8, 32, 64]), rng.choice([SPEC, CHAIN])
         chosen = best_shape(estimates, sessions, spec, cost)
         assert chosen == weigh_shapes(estimates, sessions, spec, cost)
-        skipped += chosen == (0, 0)
-        cut_short += not can_pay(estimates, sessions, cost)
+        if not own:
+            skipped += chosen == (0, 0)
+            cut_short += not can_pay(estimates, sessions, cost)
     assert 300 < skipped < 2700  # both kinds of round were drawn
     assert cut_short > 0.75 * skipped  # most rounds without a draft never weigh the shapes
 
@@ -140,13 +150,41 @@ def test_promises_that_did_not_come_true_shrink_the_trees_of_every_session():
     assert promised == pytest.approx(0.6 + 0.36)
     assert before[0] > 0
     for _ in range(200):  # the rounds accept nothing of what their estimates promised
-        session.calibration.observe(promised, 0, CONFIG)
-    assert recent.fresh().calibration.factor == pytest.approx(0.0, abs=0.05)
+        session.calibration.observe(2, promised, 0, CONFIG)
+    assert recent.fresh().calibration.factor(2) == pytest.approx(0.0, abs=0.05)
+    assert recent.fresh().calibration.factor(5) == pytest.approx(0.0, abs=0.05)  # every depth's
     assert best_shape(session, 4, SPEC, KNEE_20) == (0, 0)  # in no session, whatever its rates
     for _ in range(200):  # the promises come true again
-        session.calibration.observe(promised, 1, CONFIG)
-    assert recent.fresh().calibration.factor == pytest.approx(1 / promised, rel=0.05)
+        session.calibration.observe(2, promised, 1, CONFIG)
+    assert recent.fresh().calibration.factor(2) == pytest.approx(1 / promised, rel=0.05)
     assert best_shape(session, 4, SPEC, KNEE_20) == before
+
+
+def test_deep_chains_that_fall_short_of_their_promise_get_shallower_alone():
+    # acceptance is not geometric: short chains keep their promise, deep ones accept far less
+    estimates = rates(0.7)
+    cost = RoundCost(20.0, 1.0)
+    deep = best_shape(estimates, 1, CHAIN, cost)[0]
+    assert deep >= 6
+    shallow = RoundShape(depth=2, spine=2, nodes=2)
+    for _ in range(300):
+        estimates.calibration.observe(2, estimates.promise(shallow), 1, CONFIG)  # 1 of 1.19
+        for depth in (4, 6, 8):  # deep chains accept one token of several
+            chain = RoundShape(depth=depth, spine=depth, nodes=depth)
+            estimates.calibration.observe(depth, estimates.promise(chain), 1, CONFIG)
+    # each near its own ratio (depth 2's pulled a little towards every depth's, mostly deep)
+    assert 0.7 < estimates.calibration.factor(2) < 1 / 1.19
+    assert estimates.calibration.factor(6) < 0.5
+    depth = best_shape(estimates, 1, CHAIN, cost)[0]
+    assert 0 < depth < 4  # chains as deep as their promise still holds
+    assert estimates.calibration.most() == estimates.calibration.factor(2)
+    # the text turns copyable: the chains drafted (as deep as the policy now allows) accept
+    # all they draft, and the deep depths, drafted no more, relax back towards them
+    for _ in range(3000):
+        depth = best_shape(estimates, 1, CHAIN, cost)[0]
+        chain = RoundShape(depth=depth, spine=depth, nodes=depth)
+        estimates.calibration.observe(depth, estimates.promise(chain), depth, CONFIG)
+    assert best_shape(estimates, 1, CHAIN, cost)[0] >= deep
 
 
 def test_rates_learn_trees_from_trees_and_chains_from_every_spine():
