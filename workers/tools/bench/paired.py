@@ -18,16 +18,20 @@ the same text in both modes (greedy).
 
 Prints, per point: each mode's median tokens/s over its waves, the median
 of the pairs' ratios (auto / off) with their spread, the pairs where auto
-was ahead, and the default's tokens per target forward.
+was ahead, the default's tokens per target forward, and the CPU time the
+serve's gateway process and its workers spent per token in each mode
+(from /proc: these cores are shared, so what one spends the other waits for).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import shlex
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import BaseSettings
@@ -63,10 +67,29 @@ class Wave:
     mode: str
     figures: Figures
     texts: dict[int, str]  # conversation -> answer
+    cpu_s: tuple[float, float] = (0.0, 0.0)  # the gateway's and the workers' CPU seconds
 
     @property
     def tok_s(self) -> float:
         return self.figures.tok_s_total
+
+    def cpu_ms_per_token(self, part: int) -> float:
+        return 1000 * self.cpu_s[part] / max(1, self.figures.tokens)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (every thread) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def serve_cpu(pid: int | None) -> tuple[float, float]:
+    """CPU seconds so far of the serve `pid` (the gateway) and of its children (the workers);
+    zeros without a pid."""
+    if pid is None:
+        return 0.0, 0.0
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return cpu_seconds(pid), sum(cpu_seconds(int(child)) for child in children)
 
 
 @dataclass(frozen=True)
@@ -80,6 +103,10 @@ class Point:
     def ratios(self) -> list[float]:
         """auto / off of each pair of waves."""
         return [a.tok_s / o.tok_s for a, o in zip(self.of("auto"), self.of("off"), strict=True)]
+
+    def cpu_ms_per_token(self, mode: str, part: int) -> float:
+        """Median over the mode's waves: the gateway's (part 0) or the workers' (1)."""
+        return statistics.median(w.cpu_ms_per_token(part) for w in self.of(mode))
 
     def tau(self) -> float | None:
         """Tokens per target forward of the default's waves."""
@@ -102,21 +129,27 @@ def different_texts(waves: list[Wave]) -> list[int]:
     return sorted(key for key, texts in answers.items() if len(texts) > 1)
 
 
-async def run_wave(url: str, s: PairedBenchSettings, streams: int, mode: str) -> Wave:
+async def run_wave(
+    url: str, s: PairedBenchSettings, streams: int, mode: str, pid: int | None
+) -> Wave:
     conversations = messages(s.workload, s.prompts)
     per_stream = max(s.requests_per_stream, math.ceil(len(conversations) / streams))
+    before = serve_cpu(pid)
     timed, wall = await run_streams(
         url, conversations, streams, per_stream, s.max_tokens, lambda text: 1, MODES[mode]
     )
-    return Wave(mode, Figures.of(timed, wall), {t.key: t.text for t in timed})
+    cpu = tuple(b - a for a, b in zip(before, serve_cpu(pid), strict=True))
+    return Wave(mode, Figures.of(timed, wall), {t.key: t.text for t in timed}, cpu)
 
 
-async def run_point(url: str, s: PairedBenchSettings, streams: int) -> Point:
+async def run_point(
+    url: str, s: PairedBenchSettings, streams: int, pid: int | None = None
+) -> Point:
     await run_streams(url, [warm_up(messages(s.workload, 1))], 1, 1, 8, lambda text: 1)
     waves = []
     for pair in range(s.pairs + 1):  # pair 0 warms the serve up
         for mode in pair_order(pair):
-            wave = await run_wave(url, s, streams, mode)
+            wave = await run_wave(url, s, streams, mode, pid)
             if pair:
                 waves.append(wave)
     return Point(streams, waves)
@@ -133,15 +166,16 @@ def measure(s: PairedBenchSettings) -> list[Point]:
     points = []
     for streams in s.points():
         with ServeProcess(serve_args(s, streams)) as serve:
-            points.append(asyncio.run(run_point(serve.url, s, streams)))
+            points.append(asyncio.run(run_point(serve.url, s, streams, serve.process.pid)))
     return points
 
 
 def table(points: list[Point]) -> list[str]:
     lines = [
         "| streams | off, tokens/s | the default, tokens/s | default / off, median of pairs "
-        "| pairs' range | default ahead | τ of the default | same texts |",
-        "|---:|---:|---:|---:|---|---:|---:|:---:|",
+        "| pairs' range | default ahead | τ of the default | CPU ms a token, gateway, "
+        "off → default | workers | same texts |",
+        "|---:|---:|---:|---:|---|---:|---:|---|---|:---:|",
     ]
     for point in points:
         ratios = point.ratios()
@@ -150,10 +184,12 @@ def table(points: list[Point]) -> list[str]:
         tau = point.tau()
         ahead = sum(r > 1.0 for r in ratios)
         same = "yes" if not different_texts(point.waves) else "NO"
+        cpu = [point.cpu_ms_per_token(mode, part) for part in (0, 1) for mode in MODES]
         lines.append(
             f"| {point.streams} | {off:.1f} | {auto:.1f} | **{statistics.median(ratios):.2f}** "
             f"| {min(ratios):.2f}–{max(ratios):.2f} | {ahead} of {len(ratios)} "
-            f"| {'-' if tau is None else f'{tau:.2f}'} | {same} |"
+            f"| {'-' if tau is None else f'{tau:.2f}'} | {cpu[1]:.2f} → {cpu[0]:.2f} "
+            f"| {cpu[3]:.2f} → {cpu[2]:.2f} | {same} |"
         )
     return lines
 

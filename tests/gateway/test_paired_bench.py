@@ -1,0 +1,41 @@
+"""`specsplit bench paired`: both modes in one serve, waves taking turns, the same texts."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.gateway.helpers import live, target
+from workers.tools.bench.paired import (
+    PairedBenchSettings,
+    Point,
+    different_texts,
+    run_point,
+    table,
+)
+from workers.tools.bench.serving import MODEL_NAME
+
+
+def test_waves_take_turns_in_one_serve_and_answer_alike(tiny_dir):
+    s = PairedBenchSettings(prompts=3, max_tokens=6, streams="2", pairs=2)
+    with live(tiny_dir, [target(tiny_dir)], served_model_name=MODEL_NAME) as gateway:
+        point = asyncio.run(run_point(gateway.url, s, 2))
+    # the warm-up pair (auto, off) is left out; then each pair flips the order
+    assert [w.mode for w in point.waves] == ["off", "auto", "auto", "off"]
+    # a wave is every prompt at least once, 2 requests a stream: 4 requests of 3 prompts
+    assert all(w.figures.requests == 4 and len(w.texts) == 3 for w in point.waves)
+    assert different_texts(point.waves) == []  # greedy: each prompt's answer in both modes
+    assert all(w.figures.acceptance is None for w in point.of("off"))  # nothing drafted
+    assert all(w.figures.tau == 1.0 for w in point.of("off"))
+    assert len(point.ratios()) == 2 and all(r > 0 for r in point.ratios())
+    row = table([point])[-1]
+    assert row.startswith("| 2 |") and row.endswith("| yes |")
+
+
+def test_a_text_that_differs_between_waves_is_reported():
+    from workers.tools.bench.measure import Figures
+    from workers.tools.bench.paired import Wave
+
+    figures = Figures.of([], 1.0)
+    waves = [Wave("auto", figures, {0: "a", 1: "b"}), Wave("off", figures, {0: "a", 1: "c"})]
+    assert different_texts(waves) == [1]
+    assert Point(1, waves).of("off") == waves[1:]
