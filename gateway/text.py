@@ -17,6 +17,7 @@ token's share of the piece's text (`spans`, for per-token provenance).
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -193,7 +194,7 @@ class TextStream:
         begin = self.released
         piece = Piece(self.text[begin:upto])
         self.released = max(self.released, upto)
-        done = len(self.tokens) if final else sum(1 for end in self.ends if end <= upto)
+        done = len(self.tokens) if final else bisect_right(self.ends, upto)  # ends: ascending
         for i in range(self.sent, done):
             piece.tokens.append(self.tokens[i])
             start = self.ends[min(i, len(self.ends)) - 1] if i and self.ends else 0
