@@ -39,7 +39,7 @@ from pydantic_settings import BaseSettings
 from workers.settings import parse, settings_config
 from workers.tools.bench.machine import describe, load_words
 from workers.tools.bench.measure import Figures
-from workers.tools.bench.serving import MODEL_NAME, ServeProcess, run_streams
+from workers.tools.bench.serving import MODEL_NAME, ServeProcess, children, run_streams
 from workers.tools.bench.workloads import messages, warm_up
 
 MODES = {"auto": None, "off": {"speculation": {"method": "off"}}}  # a request's extra body
@@ -88,8 +88,7 @@ def serve_cpu(pid: int | None) -> tuple[float, float]:
     zeros without a pid."""
     if pid is None:
         return 0.0, 0.0
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return cpu_seconds(pid), sum(cpu_seconds(int(child)) for child in children)
+    return cpu_seconds(pid), sum(cpu_seconds(child) for child in children(pid))
 
 
 @dataclass(frozen=True)
@@ -130,9 +129,13 @@ def different_texts(waves: list[Wave]) -> list[int]:
 
 
 async def run_wave(
-    url: str, s: PairedBenchSettings, streams: int, mode: str, pid: int | None
+    url: str,
+    conversations: list[list[dict]],
+    s: PairedBenchSettings,
+    streams: int,
+    mode: str,
+    pid: int | None,
 ) -> Wave:
-    conversations = messages(s.workload, s.prompts)
     per_stream = max(s.requests_per_stream, math.ceil(len(conversations) / streams))
     before = serve_cpu(pid)
     timed, wall = await run_streams(
@@ -145,11 +148,12 @@ async def run_wave(
 async def run_point(
     url: str, s: PairedBenchSettings, streams: int, pid: int | None = None
 ) -> Point:
-    await run_streams(url, [warm_up(messages(s.workload, 1))], 1, 1, 8, lambda text: 1)
+    conversations = messages(s.workload, s.prompts)
+    await run_streams(url, [warm_up(conversations)], 1, 1, 8, lambda text: 1)
     waves = []
     for pair in range(s.pairs + 1):  # pair 0 warms the serve up
         for mode in pair_order(pair):
-            wave = await run_wave(url, s, streams, mode, pid)
+            wave = await run_wave(url, conversations, s, streams, mode, pid)
             if pair:
                 waves.append(wave)
     return Point(streams, waves)

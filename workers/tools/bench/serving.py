@@ -301,12 +301,15 @@ async def run_streams(
     return [t for t in timings if t is not None], wall
 
 
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (a serve's workers)."""
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def worker_rss_mib(serve: ServeProcess) -> dict[int, float]:
     """Resident memory of each worker process that `serve` started: {pid: MiB}."""
-    pid = serve.process.pid
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     out = {}
-    for child in map(int, children):
+    for child in children(serve.process.pid):
         status = Path(f"/proc/{child}/status").read_text()
         kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS"))
         out[child] = kib / 1024
