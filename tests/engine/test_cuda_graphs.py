@@ -127,3 +127,28 @@ def test_graph_replays_through_greedy_decoding_equal_transformers():
         ids = hf.generate(torch.tensor([prompt]), max_new_tokens=60, min_new_tokens=60)
     assert got == ids[0, len(prompt) :].tolist()
     assert eng.graphs.replays > 50
+
+
+@CUDA
+def test_a_capture_lets_other_threads_use_the_gpu():
+    """A worker captures on its engine thread while another thread of the process loads
+    weights onto the GPU (a second engine, a server restarting): neither fails."""
+    import threading
+
+    from workers.engine.cuda_graphs import CudaRecorder
+
+    x = torch.arange(8.0, device="cuda")
+    loaded = []
+
+    def run() -> torch.Tensor:
+        other = threading.Thread(target=lambda: loaded.append(torch.ones(64).to("cuda")))
+        other.start()
+        other.join()
+        return x * 2 + 1
+
+    now, output, replay = CudaRecorder().record(run)
+    x.copy_(torch.arange(8.0, 16.0, device="cuda"))
+    replay()
+    assert torch.equal(now, torch.arange(8.0, device="cuda") * 2 + 1)
+    assert torch.equal(output, torch.arange(8.0, 16.0, device="cuda") * 2 + 1)
+    assert len(loaded) == 2 and all(t.sum().item() == 64 for t in loaded)

@@ -116,7 +116,9 @@ class CudaRecorder:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA calls of other threads (another engine loading, a server
+        # starting) go on during a capture instead of invalidating it
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             output = run()  # recorded, not run
         return now, output, graph.replay
 
