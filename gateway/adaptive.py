@@ -67,6 +67,13 @@ than it promised, most on open-ended text: the expected accepted tokens,
 E(D) - 1, are scaled by what drafted rounds accepted against what their
 estimates promised, at the round's depth, over every session's recent rounds
 (`Calibration`).
+
+An n-gram draft's rounds are told apart by how long a suffix its lookup
+matched (`RatesByMatch`): on chat a 1-token match's first token is the
+target's 15% of the time and a 3-token match's 83%, and a session's last
+rounds cannot tell the two apart, so with one estimate a busy target's
+sessions drafted after neither (bench/RESULTS.md). Each length keeps its
+own estimates, calibration and probes; a round with no match drafts nothing.
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from workers.protocol import TreeSpec
+from workers.speculation.ngram import MAX_NGRAM
 
 
 @dataclass(frozen=True)
@@ -199,9 +207,9 @@ class Acceptance:
     rejected: float  # weighted share of rounds that ended on a rejected token
 
     @classmethod
-    def prior(cls, config: AdaptiveConfig) -> Acceptance:
-        """One round's worth of belief that alpha = prior_rate."""
-        return cls(accepted=config.prior_rate, rejected=1.0 - config.prior_rate)
+    def prior(cls, rate: float) -> Acceptance:
+        """One round's worth of belief that alpha = `rate`."""
+        return cls(accepted=rate, rejected=1.0 - rate)
 
     @property
     def rate(self) -> float:
@@ -296,8 +304,10 @@ class Rates:
     measured: int = 0  # drafted rounds observed
 
     @classmethod
-    def prior(cls, config: AdaptiveConfig) -> Rates:
-        return cls(Acceptance.prior(config), Acceptance.prior(config))
+    def prior(cls, config: AdaptiveConfig, share: float = 1.0) -> Rates:
+        """Estimates of alpha = `share` of the configured prior rate."""
+        rate = share * config.prior_rate
+        return cls(Acceptance.prior(rate), Acceptance.prior(rate))
 
     def fresh(self) -> Rates:
         """A new session's estimates: a copy of these rates, no rounds off yet, and the same
@@ -327,6 +337,29 @@ class Rates:
         self.chain.observe(spine_accepted, round_.spine, config)
         if not round_.is_chain:
             self.tree.observe(accepted, round_.depth, config)
+
+
+@dataclass
+class RatesByMatch:
+    """Rates by the kind of round: an n-gram draft's by the length of the suffix its
+    lookup matched (1 to MAX_NGRAM tokens; a round with no match drafts nothing), any
+    other draft's all of kind 0. Each kind has its own estimates, calibration and probes;
+    a shorter match starts from a proportionally lower prior (a 1-token match from a third
+    of `prior_rate`)."""
+
+    kinds: list[Rates]
+
+    @classmethod
+    def prior(cls, config: AdaptiveConfig) -> RatesByMatch:
+        shares = [(kind or MAX_NGRAM) / MAX_NGRAM for kind in range(MAX_NGRAM + 1)]
+        return cls([Rates.prior(config, share) for share in shares])
+
+    def fresh(self) -> RatesByMatch:
+        """A new session's: each kind's `Rates.fresh`."""
+        return RatesByMatch([rates.fresh() for rates in self.kinds])
+
+    def __getitem__(self, kind: int) -> Rates:
+        return self.kinds[kind]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from gateway.adaptive import AdaptiveConfig, Rates
+from gateway.adaptive import AdaptiveConfig, RatesByMatch
 from gateway.control import Control
 from gateway.metrics import Metrics
 from gateway.pool import Admission, Router, shutting_down
@@ -114,10 +114,10 @@ class Generator:
     metrics: Metrics
     options: LoopOptions = LoopOptions()  # how trees are made (adaptive, overlapped, hybrid)
     suffixes: SuffixCache | None = None  # each choice's output goes here for later drafts
-    recent: Rates = field(init=False)  # acceptance over every session's recent rounds
+    recent: RatesByMatch = field(init=False)  # acceptance over every session's recent rounds
 
     def __post_init__(self):
-        self.recent = Rates.prior(self.options.adaptive or AdaptiveConfig())
+        self.recent = RatesByMatch.prior(self.options.adaptive or AdaptiveConfig())
 
     async def generate(
         self, request: GenerationRequest, record: Record, admission: Admission

@@ -13,7 +13,8 @@ emit, re-sends after SessionLost); the gateway gives it:
   trees are made, never what is committed:
   - adaptive trees (gateway.adaptive): each round's depth and budget follow
     the session's recent acceptance, the target's live sessions and its
-    round cost, learnt from each verify's tokens and seconds;
+    round cost, learnt from each verify's tokens and seconds; an n-gram
+    draft's acceptance is kept per length of the suffix its lookup matched;
   - the overlapped loop (gateway.overlap): while round k is verified, the
     draft already proposes round k+1 after the guess that round k accepts
     the tree's spine; a right guess saves the round its propose.
@@ -32,7 +33,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from gateway.adaptive import AdaptiveConfig, Rates, RoundCost, RoundShape, adapt
+from gateway.adaptive import AdaptiveConfig, Rates, RatesByMatch, RoundCost, RoundShape, adapt
 from gateway.errors import APIError
 from gateway.hangs import Hung
 from gateway.metrics import Metrics
@@ -52,6 +53,7 @@ from workers.protocol import (
     WorkerDown,
     WorkerError,
 )
+from workers.speculation.ngram import MAX_NGRAM, match_length
 from workers.speculation.tree import TokenTree, depths, spine
 
 T = TypeVar("T")
@@ -146,7 +148,7 @@ class Speculation(Loop):
         affinity: str | None = None,
         index: int = 0,
         options: LoopOptions = LoopOptions(),
-        recent: Rates | None = None,
+        recent: RatesByMatch | None = None,
         method: str = "auto",
         suffixes: SuffixCache | None = None,
     ):
@@ -163,7 +165,8 @@ class Speculation(Loop):
         self.options = options
         self.config = options.adaptive or AdaptiveConfig()
         self.recent = recent  # every session's rounds; a new session starts from it
-        self.rates = (recent or Rates.prior(self.config)).fresh()
+        self.by_match = (recent or RatesByMatch.prior(self.config)).fresh()
+        self.kind = 0  # this round's kind of estimates (gateway.adaptive.RatesByMatch)
         self.level_s = 0.0  # the draft's recent seconds per tree level (exponentially weighted)
         self.fed = 0  # tokens the last verify call fed (its history and tree, the root)
         self.outcome: VerifyOutcome | None = None  # the last verify's, with the worker's timings
@@ -184,9 +187,32 @@ class Speculation(Loop):
         # yet, and tree nodes would make its forward, and so its first token, later
         if self.target.held < len(self.history):
             return None
+        kind = self.match_kind()
+        if kind is None:
+            return None
+        self.kind = kind
         if self.recent is not None:
-            self.rates.follow(self.recent)
+            self.rates.follow(self.recent[kind])
         return adapt(spec, self.rates, self.load, self.round_cost, self.options.adaptive)
+
+    @property
+    def rates(self) -> Rates:
+        """The estimates of this round's kind."""
+        return self.by_match[self.kind]
+
+    def match_kind(self) -> int | None:
+        """For an n-gram draft, the length of the suffix its lookup will copy after (the
+        tenant's cached outputs match MAX_NGRAM tokens or more), None when nothing matches
+        (the draft would be empty); 0 for any other draft, and with the overlapped loop
+        (its look-ahead shapes the next round while this one is verified)."""
+        if self.drafter != "ngram" or self.options.overlap:
+            return 0
+        plan = self.state.plan
+        kind = match_length(self.history)
+        if kind < MAX_NGRAM and self.suffixes is not None and plan.tenant is not None:
+            if self.suffixes.continuations(plan.tenant, self.history, 1):
+                kind = MAX_NGRAM
+        return kind or None
 
     @property
     def load(self) -> int:
@@ -313,7 +339,7 @@ class Speculation(Loop):
             # a lossy rule accepts more than the draft deserves: other sessions start from
             # (and calibrate by) what exact rounds accepted
             if self.recent is not None and self.state.plan.acceptance.lossless:
-                self.recent.observe(shape, round_.accepted, on_spine, self.config)
+                self.recent[self.kind].observe(shape, round_.accepted, on_spine, self.config)
                 self.rates.calibration.observe(path_depth, promised, round_.accepted, self.config)
             # a round with n-gram nodes timed the lookup (and maybe a smaller draft call),
             # not the draft's levels of its depth

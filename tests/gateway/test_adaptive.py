@@ -15,6 +15,7 @@ from gateway.adaptive import (
     Calibration,
     CostFit,
     Rates,
+    RatesByMatch,
     Ratio,
     RoundCost,
     RoundShape,
@@ -57,7 +58,7 @@ def test_expected_tokens_is_the_geometric_sum():
 
 
 def test_acceptance_estimate_follows_the_rounds():
-    acceptance = Acceptance.prior(CONFIG)
+    acceptance = Acceptance.prior(CONFIG.prior_rate)
     assert acceptance.rate == pytest.approx(0.8)
     for _ in range(20):
         acceptance.observe(0, 6, CONFIG)  # rejected at once, every round
@@ -260,13 +261,16 @@ def test_speculation_backs_off_and_probes_once_a_batch_of_probe_every(sessions):
     assert all(specs[i].depth == 1 and specs[i].budget == 1 for i in probes)  # one node
 
 
-@pytest.fixture(scope="module")
-def greedy_texts(tiny_dir, tiny_draft_dir):
-    """Greedy replies with adaptive trees off (the reference) and on, at 1 and 3 streams."""
+@pytest.fixture(scope="module", params=["model", "ngram"])
+def greedy_texts(request, tiny_dir, tiny_draft_dir):
+    """Greedy replies with adaptive trees off (the reference) and on, with a draft model or
+    the gateway's n-gram draft (its rounds estimated by the suffix each lookup matched)."""
     prompts = ["one two three one two three one", "hello world , the cat sat on the mat"]
     out = {}
     for adaptive in (False, True):
-        backends = [target(tiny_dir), model_draft(tiny_draft_dir)]
+        backends = [target(tiny_dir)]
+        if request.param == "model":
+            backends.append(model_draft(tiny_draft_dir))
         with live(tiny_dir, backends, adaptive_tree=adaptive, tree_depth=6) as gateway:
             client = OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
             texts, stats = [], []
@@ -291,8 +295,12 @@ def test_adaptive_trees_do_not_change_the_output(greedy_texts):
     assert sum(s["accepted_tokens"] for s in stats) > 0
 
 
-def session(recent: Rates):
-    """A session's Speculation (no workers bound) that starts from `recent`."""
+def session(recent: Rates, prompt: tuple[int, ...] = (1, 2, 3), ngram: bool = False):
+    """A session's Speculation that starts from `recent` (for kind 0: no n-gram draft; with
+    `ngram`, for every kind of n-gram round) with `prompt` as its history, no target bound
+    and, with `ngram`, an n-gram draft."""
+    from types import SimpleNamespace
+
     from gateway.metrics import Metrics
     from gateway.speculation import LoopOptions, Speculation
     from workers.loop import Plan
@@ -302,8 +310,15 @@ def session(recent: Rates):
         def session_id(self, key, index):
             return f"s{index}"
 
-    plan = Plan([1, 2, 3], 8, SamplingParams(), SPEC, frozenset())
-    return Speculation(Router(), plan, Metrics(), None, 0, LoopOptions(CONFIG), recent)
+    plan = Plan(list(prompt), 8, SamplingParams(), SPEC, frozenset())
+    kinds = RatesByMatch.prior(CONFIG).kinds
+    by_match = RatesByMatch([recent.fresh() for _ in kinds] if ngram else [recent, *kinds[1:]])
+    speculation = Speculation(Router(), plan, Metrics(), None, 0, LoopOptions(CONFIG), by_match)
+    if ngram:
+        info = SimpleNamespace(model_id="ngram")
+        speculation.draft.worker = SimpleNamespace(info=info, feature_size=0)
+    speculation.target.held = len(plan.prompt) if ngram else 0
+    return speculation
 
 
 def test_a_new_session_starts_from_the_recent_acceptance():
@@ -372,3 +387,37 @@ def test_the_measured_cost_shrinks_trees_on_a_slow_target_and_grows_them_on_a_fa
     assert dear < 2.0
     # the first six draft calls come before 36 of the 48 tokens are out: none is cut short
     assert [spec.depth for spec in cheap_specs[:6]] == [6] * 6
+
+
+def test_each_match_length_starts_from_its_share_of_the_prior():
+    by_match = RatesByMatch.prior(CONFIG)
+    assert [r.chain.rate for r in by_match.kinds] == pytest.approx([0.8, 0.8 / 3, 1.6 / 3, 0.8])
+    fresh = by_match.fresh()
+    assert fresh[2].calibration is by_match[2].calibration  # kept over every session's rounds
+    assert fresh[2].calibration is not fresh[3].calibration
+
+
+def test_an_ngram_round_is_weighed_by_the_suffix_its_lookup_matched():
+    """After a 3-token match an n-gram session drafts where the rounds after 3-token matches
+    went well, and not after a 1-token match where those went badly; with no match, the
+    lookup has nothing to copy and the round drafts nothing."""
+    three = session(rates(0.9), (5, 6, 7, 8, 5, 6, 7), ngram=True)
+    one = session(rates(0.9), (5, 6, 7, 8, 9, 5), ngram=True)
+    none = session(rates(0.9), (5, 6, 7, 8, 9), ngram=True)
+    for _ in range(12):  # every session's rounds after 1-token matches: rejected at once
+        one.recent[1].observe(RoundShape(6, 6, 12), 0, 0, CONFIG)
+    assert three.shape(SPEC) is not None and three.kind == 3
+    assert one.shape(SPEC) is None and one.kind == 1
+    assert none.shape(SPEC) is None
+    three.rates.observe(RoundShape(1, 1, 1), 0, 0, CONFIG)  # its own kind-3 round
+    assert three.by_match[1].measured == 0 and three.by_match[3].measured == 1
+
+
+def test_a_tenants_cached_outputs_count_as_a_full_match():
+    from workers.draft.suffix import SuffixCache, SuffixCacheConfig
+
+    speculation = session(rates(0.9), (5, 6, 7, 8, 9), ngram=True)
+    assert speculation.match_kind() is None
+    speculation.suffixes = SuffixCache(SuffixCacheConfig(1024, 4))
+    speculation.suffixes.add(speculation.state.plan.tenant, [1], [7, 8, 9, 4, 2])
+    assert speculation.match_kind() == 3
