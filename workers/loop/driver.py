@@ -58,6 +58,11 @@ from workers.speculation.tree import TokenTree, merge_trees
 log = logging.getLogger("specsplit.loop")
 
 ATTEMPTS = 4  # calls per round and role before giving up (plus one per worker offered)
+# turns of the event loop a round waits before going to the consumer (`Loop.rounds`): the
+# next round's task takes one to reach its verify (two when a hang bound wraps the call in
+# a task), the Coalescer one to flush and one to start its call, grpc.aio one to start the
+# RPC; two to spare
+SEND_TURNS = 6
 
 T = TypeVar("T")
 
@@ -138,52 +143,42 @@ class Loop:
     async def rounds(self) -> AsyncIterator[Round]:
         """Runs rounds until a stop token or max_tokens; yields each round's tokens.
 
-        The rounds run in a task of their own (`produce`), one after another: a round's
-        successor starts (its propose and its verify) in the same step of that task as the
-        round's commit, before the round reaches the consumer, so the consumer's work on it
-        (the gateway detokenizes, formats and streams it) overlaps the target's next forward
-        instead of delaying it. A target batches the rounds of its sessions and starts a
-        forward once every session of the last one has sent its next verify, and the
-        gateway runs all of its sessions on one thread: every session woken by one forward's
-        answers sends its next verify before any of them streams (bench/RESULTS.md, "An
-        n-gram draft's acceptance per match length"). A round waits for the consumer to
-        take the one before it, so at most two committed rounds wait for a slow consumer.
-        When the consumer stops (a stop string, a client gone), the task is cancelled, or
-        its rounds are committed but never yielded: either way nothing they did reaches the
-        client, and the worker's copy of the session is only a cache (a next turn re-sends
-        its history).
+        Round k+1 starts (its propose and verify) as soon as round k is committed, before
+        round k goes to the consumer, so the consumer's work on it (the gateway
+        detokenizes, formats and streams it) overlaps the target's next forward instead of
+        delaying it: a target batches the rounds of its sessions and starts a forward once
+        every session of the last one has sent its next verify, and the gateway runs all of
+        its sessions on one thread, so S sessions' streaming would otherwise sit between
+        every two forwards. The consumer waits `SEND_TURNS` turns of the event loop first,
+        long enough for every session woken by the same forward to send its verify. At most
+        one round runs ahead; when the consumer stops (a stop string, a client gone), it is
+        cancelled, or its tokens are committed but never yielded: either way nothing it did
+        reaches the client, and the worker's copy of the session is only a cache (a next
+        turn re-sends its history).
         """
         clean = False  # ended by its last round or closed by its consumer (not failed)
-        made: asyncio.Queue[Round | Exception] = asyncio.Queue(maxsize=1)
-        producer = asyncio.ensure_future(self.produce(made))
+        ahead: asyncio.Task[Round] | None = None
         try:
+            round_ = await self.run_round()
             while True:
-                round_ = await made.get()
-                if isinstance(round_, Exception):
-                    raise round_
+                if self.state.finish_reason is None:
+                    ahead = asyncio.ensure_future(self.run_round())
+                    for _ in range(SEND_TURNS):
+                        await asyncio.sleep(0)
                 given = time.perf_counter()
                 yield round_
                 self.after_emit(time.perf_counter() - given)
-                if round_.finish_reason is not None:
+                if ahead is None:
                     break
+                round_, ahead = await ahead, None
             clean = True
         except GeneratorExit:
             clean = True
             raise
         finally:
-            discard(producer)
+            if ahead is not None:
+                discard(ahead)
             await self.close(keep=clean and self.keep)
-
-    async def produce(self, made: asyncio.Queue[Round | Exception]) -> None:
-        """Runs the rounds into `made` until the last; a failure goes there in their place."""
-        try:
-            while True:
-                round_ = await self.run_round()
-                await made.put(round_)
-                if round_.finish_reason is not None:
-                    return
-        except Exception as error:  # noqa: BLE001 - the consumer raises it
-            await made.put(error)
 
     async def run_round(self) -> Round:
         """One round: propose, verify, commit; the round carries its two calls' seconds."""
