@@ -9,6 +9,8 @@ from contextlib import asynccontextmanager
 import grpc
 import pytest
 
+from proto.specsplit.v1 import specsplit_pb2 as pb
+from proto.specsplit.v1 import specsplit_pb2_grpc as pb_grpc
 from tests.engine.tiny import tiny_engine
 from tests.workers.helpers import draft_worker, scrape, settings, target_worker
 from workers.protocol import (
@@ -19,6 +21,7 @@ from workers.protocol import (
     VerifyOutcome,
     WorkerDown,
 )
+from workers.rpc import convert
 from workers.rpc.client import GrpcBackend
 from workers.rpc.service import WorkerServicer, serve_role
 from workers.speculation.sampling import SamplingParams
@@ -78,6 +81,43 @@ async def test_rounds_travel_as_messages_of_one_stream_that_ends_cleanly():
                 assert isinstance(await target.verify(start(sid)), VerifyOutcome)
             assert target.wire.messages == 4 and target.streaming
         assert counts(server) == {("Verify", "OK"): 4, ("VerifyStream", "OK"): 1}
+
+
+@pytest.mark.parametrize("merge", [True, False])
+async def test_the_answers_of_one_step_come_back_in_one_reply_where_the_messages_ask(merge):
+    # a window long enough that the four messages' calls make one step
+    server = await serve_role(
+        "target", tiny_engine(seed=1, slots=8), settings("target", batch_wait_ms=500)
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stream = pb_grpc.TargetServiceStub(channel).VerifyStream()
+            for tag, sid in enumerate("abcd", 1):
+                calls = [convert.verify_request(start(sid))]
+                await stream.write(pb.VerifyBatchRequest(calls=calls, tag=tag, merge_replies=merge))
+            await stream.done_writing()
+            replies = [reply async for reply in stream]
+    finally:
+        await server.shutdown(0)
+    assert server.batcher.batches == 1
+    answered = [(r.tag, len(r.results)) for reply in replies for r in (reply, *reply.merged)]
+    assert sorted(answered) == [(1, 1), (2, 1), (3, 1), (4, 1)]
+    assert len(replies) == (1 if merge else 4)
+    assert all(not r.merged for reply in replies for r in reply.merged)  # never nested
+
+
+async def test_a_backend_takes_each_answer_out_of_a_merged_reply():
+    async with target_worker(tiny_engine(seed=1, slots=8), batch_wait_ms=500) as (server, target):
+
+        async def after(turns: int, sid: str) -> VerifyOutcome:
+            for _ in range(turns):  # a later turn: a message of its own
+                await asyncio.sleep(0)
+            return await target.verify(start(sid))
+
+        outcomes = await asyncio.gather(*(after(4 * i, sid) for i, sid in enumerate("abcd")))
+        assert target.wire.messages == 4 and server.batcher.batches == 1
+        alone = await target.verify(start("e"))
+        assert all(outcome.emitted == alone.emitted for outcome in outcomes)
 
 
 async def test_a_caller_past_its_deadline_gets_worker_down_and_the_stream_goes_on(monkeypatch):

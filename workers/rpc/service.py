@@ -9,7 +9,8 @@ response. Errors are raised as the runners raise them; the interceptor
 and each message of VerifyStream or ProposeStream) submits its calls side by
 side and answers each with its response or its error's status; each is also
 counted as a Verify or Propose call. A stream answers its messages under their
-tags as they finish; once the worker shuts down it refuses each new one's calls
+tags as they finish, those finished together in one reply where they ask
+(merge_replies); once the worker shuts down it refuses each new one's calls
 with UNAVAILABLE, as the interceptor refuses a new call (workers/rpc/stream.py
 is the client side).
 """
@@ -180,14 +181,23 @@ class WorkerServicer(pb_grpc.DraftServiceServicer, pb_grpc.TargetServiceServicer
 
     async def answer_stream(self, kind: Batched, requests, context) -> None:
         """Each batch message answered on the stream as soon as its calls are, under its
-        tag; writes are one at a time (gRPC takes one write in flight per stream)."""
+        tag. Writes are one at a time (gRPC takes one write in flight per stream), and the
+        answers ready together go as one reply where their messages asked for it
+        (merge_replies): one step answers the calls of several messages, and each reply
+        costs both ends a write and a read."""
+        ready: list[tuple[bool, object]] = []  # answered, not yet written: (mergeable, answer)
         writing = asyncio.Lock()
 
         async def reply(request) -> None:
             response = await self.stream_message(kind, request, context)
             response.tag = request.tag
+            ready.append((request.merge_replies, response))
             async with writing:
-                await context.write(response)
+                while ready and await more_came(ready):
+                    pass
+                taken, ready[:] = ready[:], []
+                for message in merged_replies(taken):
+                    await context.write(message)
 
         async with asyncio.TaskGroup() as replies:
             async for request in requests:
@@ -214,6 +224,25 @@ class WorkerServicer(pb_grpc.DraftServiceServicer, pb_grpc.TargetServiceServicer
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
         info = replace(self.runner.info(), max_tree_nodes=self.max_tree_nodes)
         return convert.info_to_proto(info)
+
+
+async def more_came(ready: list) -> bool:
+    """Whether answers joined `ready` during one turn of the event loop: a step's answers
+    reach their messages' tasks in the same turns, so a writer waits until none come."""
+    before = len(ready)
+    await asyncio.sleep(0)
+    return len(ready) > before
+
+
+def merged_replies(answers: list[tuple[bool, object]]) -> list:
+    """The replies that carry `answers` (mergeable, response): the mergeable ones in one
+    (the first, the rest under its `merged`), each other alone."""
+    mergeable = [response for merge, response in answers if merge]
+    alone = [response for merge, response in answers if not merge]
+    if mergeable:
+        mergeable[0].merged.extend(mergeable[1:])
+        alone.insert(0, mergeable[0])
+    return alone
 
 
 def runner_for(
