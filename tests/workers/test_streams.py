@@ -23,7 +23,7 @@ from workers.protocol import (
 )
 from workers.rpc import convert
 from workers.rpc.client import GrpcBackend
-from workers.rpc.service import WorkerServicer, serve_role
+from workers.rpc.service import WorkerServicer, merged_replies, serve_role
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree
 from workers.target.runner import TargetRunner
@@ -104,6 +104,22 @@ async def test_the_answers_of_one_step_come_back_in_one_reply_where_the_messages
     assert sorted(answered) == [(1, 1), (2, 1), (3, 1), (4, 1)]
     assert len(replies) == (1 if merge else 4)
     assert all(not r.merged for reply in replies for r in reply.merged)  # never nested
+
+
+def test_a_merged_reply_stops_growing_at_its_size_limit_and_keeps_the_order():
+    def answer(tag: int, merge: bool = True):
+        response = pb.VerifyBatchResponse(tag=tag)
+        response.results.add().error.details = "x" * 100  # about 100 bytes each
+        return merge, response
+
+    size = answer(9)[1].ByteSize()  # every tag here takes one byte
+    answers = [answer(1), answer(2), answer(3, merge=False), answer(4), answer(5)]
+    replies = merged_replies(answers, limit=2 * size)
+    assert [(r.tag, [m.tag for m in r.merged]) for r in replies] == [
+        (1, [2]),
+        (3, []),
+        (4, [5]),
+    ]
 
 
 async def test_a_backend_takes_each_answer_out_of_a_merged_reply():

@@ -111,6 +111,11 @@ class Batched:
     response: type  # the message's answer: the results and the tag
 
 
+# a stream's writer waits at most this many turns of the event loop for more answers to
+# join a reply, and a merged reply stops growing past this size (a client takes 64 MiB)
+MERGE_TURNS = 8
+MERGE_BYTES = 8 << 20
+
 VERIFY = Batched("Verify", pb.VerifyResult, pb.VerifyBatchResponse)
 PROPOSE = Batched("Propose", pb.ProposeResult, pb.ProposeBatchResponse)
 
@@ -193,8 +198,8 @@ class WorkerServicer(pb_grpc.DraftServiceServicer, pb_grpc.TargetServiceServicer
             response.tag = request.tag
             ready.append((request.merge_replies, response))
             async with writing:
-                while ready and await more_came(ready):
-                    pass
+                if ready:
+                    await settle(ready)
                 taken, ready[:] = ready[:], []
                 for message in merged_replies(taken):
                     await context.write(message)
@@ -226,23 +231,33 @@ class WorkerServicer(pb_grpc.DraftServiceServicer, pb_grpc.TargetServiceServicer
         return convert.info_to_proto(info)
 
 
-async def more_came(ready: list) -> bool:
-    """Whether answers joined `ready` during one turn of the event loop: a step's answers
-    reach their messages' tasks in the same turns, so a writer waits until none come."""
-    before = len(ready)
-    await asyncio.sleep(0)
-    return len(ready) > before
+async def settle(ready: list) -> None:
+    """Waits while answers still join `ready` (at most MERGE_TURNS turns of the event
+    loop): a step's answers reach their messages' tasks in the same turns."""
+    for _ in range(MERGE_TURNS):
+        before = len(ready)
+        await asyncio.sleep(0)
+        if len(ready) == before:
+            return
 
 
-def merged_replies(answers: list[tuple[bool, object]]) -> list:
-    """The replies that carry `answers` (mergeable, response): the mergeable ones in one
-    (the first, the rest under its `merged`), each other alone."""
-    mergeable = [response for merge, response in answers if merge]
-    alone = [response for merge, response in answers if not merge]
-    if mergeable:
-        mergeable[0].merged.extend(mergeable[1:])
-        alone.insert(0, mergeable[0])
-    return alone
+def merged_replies(answers: list[tuple[bool, object]], limit: int = MERGE_BYTES) -> list:
+    """The replies that carry `answers` (mergeable, response), in order: each mergeable
+    one joins the reply before it (under `merged`) while that stays within `limit` bytes,
+    else opens a reply; any other goes alone."""
+    replies, head, size = [], None, 0
+    for merge, response in answers:
+        if not merge:
+            replies.append(response)
+            continue
+        n = response.ByteSize()
+        if head is None or size + n > limit:
+            head, size = response, n
+            replies.append(head)
+        else:
+            head.merged.append(response)
+            size += n
+    return replies
 
 
 def runner_for(
