@@ -8,10 +8,10 @@ and queues each batch (a VerifyBatchRequest or ProposeBatchRequest) for the
 stream's writer under a fresh tag; its reader hands each response to the
 caller waiting on that tag. Responses may come back in any order (two batches
 in flight run in different steps), and the batches answered by one step come
-back as one reply (`merged`, which every batch asks for): a step's calls
-leave a gateway in several messages as its sessions get their answers, and
-each reply costs both ends a write and a read (about a third of a gateway's
-CPU a token at 16 streams here, a socket write each).
+back as one reply (`merged`, which every batch asks for): the calls one step
+answers can arrive in several messages, and each reply costs both ends a
+system call (with a reply per message, the stream's writes took a third of a
+gateway's CPU at 16 chat streams here).
 
 Faults look as they do for unary calls: a caller that waits longer than the
 deadline gets WorkerDown (the worker's late answer is dropped); when the
