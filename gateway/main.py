@@ -30,6 +30,7 @@ import uvicorn
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from workers.settings import parse
+from workers.worker import freeze_heap
 
 
 def configure_logging(level: str) -> None:
@@ -83,6 +84,10 @@ async def run(settings: GatewaySettings) -> int:
     stop, cut = asyncio.Event(), asyncio.Event()
     stop_on_signals(stop, cut)
     serving = asyncio.create_task(server.serve())
+    while not (server.started or serving.done() or stop.is_set()):
+        await asyncio.sleep(0.05)
+    if server.started:
+        freeze_heap("gateway")
     await asyncio.wait([serving, asyncio.create_task(stop.wait())], return_when="FIRST_COMPLETED")
     await drain_and_stop(app, server, serving, settings.drain_timeout_s, cut)
     return 0 if server.started else 1

@@ -58,7 +58,7 @@ from gateway.settings import GatewayOptions, GatewaySettings
 from gateway.supervise import Backoff, Child, Supervisor
 from workers.rpc.security import issue
 from workers.settings import EngineOptions, parse, settings_config, to_argv
-from workers.worker import WorkerSettings, die_with
+from workers.worker import WorkerSettings, die_with, freeze_heap
 
 log = logging.getLogger("specsplit.serve")
 
@@ -299,6 +299,7 @@ async def serve(s: ServeSettings) -> int:
             children, restart, s.backoff, app.state.metrics.worker_restarts, write_state
         )
         if ready:
+            freeze_heap("gateway")
             write_state()
             print(f"SpecSplit ready: {url}", flush=True)
             supervisor.start()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -208,6 +209,7 @@ async def start(settings: WorkerSettings) -> WorkerServer:
 
 async def run(settings: WorkerSettings) -> None:
     server = await start(settings)
+    freeze_heap(f"{settings.role} worker")
     log.info(
         "%s worker serving %s on %s:%d (metrics on port %s)",
         settings.role,
@@ -228,6 +230,19 @@ async def run(settings: WorkerSettings) -> None:
     )
     await server.shutdown()
     log.info("stopped")
+
+
+def freeze_heap(who: str) -> int:
+    """Collects, then moves every object alive now (the model, the tokenizer, the app) out
+    of the cyclic collector's view (`gc.freeze`), as a server does once it has started: a
+    full collection then scans only what came after. Without it the gateway's full
+    collections took 165-190 ms each, every 20-30 s at 32 streams, while every stream and
+    the target's next step waited. Returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.info("%s: %d start-up objects frozen out of the garbage collector", who, frozen)
+    return frozen
 
 
 def die_with(parent_pid: int) -> None:

@@ -137,6 +137,15 @@ def stream_text(client, on_chunk=None, **kw) -> str:
 
 
 @pytest.mark.embedded
+def test_the_gateway_and_each_worker_freeze_their_start_up_heap(serve):
+    # gc.freeze once started: a full collection then skips the model, tokenizer and app
+    frozen = [line for line in serve.lines if "start-up objects frozen" in line]
+    assert sum(" gateway: " in line for line in frozen) == 1
+    assert sum(" target worker: " in line for line in frozen) == 2 and len(frozen) == 3
+    counts = [int(line.split(": ")[-1].split()[0]) for line in frozen]
+    assert all(count > 10_000 for count in counts), frozen
+
+
 def test_greedy_chat_equals_transformers(client, embedded_hf, embedded_tokenizer):
     reply = client.chat.completions.create(
         model=MODEL, messages=QUESTION, max_tokens=24, temperature=0
