@@ -232,17 +232,17 @@ async def run(settings: WorkerSettings) -> None:
     log.info("stopped")
 
 
-def freeze_heap(who: str) -> int:
+def freeze_heap(who: str) -> None:
     """Collects, then moves every object alive now (the model, the tokenizer, the app) out
     of the cyclic collector's view (`gc.freeze`), as a server does once it has started: a
     full collection then scans only what came after. Without it the gateway's full
     collections took 165-190 ms each, every 20-30 s at 32 streams, while every stream and
-    the target's next step waited. Returns the objects frozen."""
+    the target's next step waited. Logs the objects frozen."""
     gc.collect()
     gc.freeze()
-    frozen = gc.get_freeze_count()
-    log.info("%s: %d start-up objects frozen out of the garbage collector", who, frozen)
-    return frozen
+    log.info(
+        "%s: %d start-up objects frozen out of the garbage collector", who, gc.get_freeze_count()
+    )
 
 
 def die_with(parent_pid: int) -> None:
