@@ -425,19 +425,19 @@ def weigh_shapes(rates: Rates, sessions: int, spec: TreeSpec, cost: RoundCost) -
     deep (at the spines'); (0, 0) = no speculation. Ties go to fewer nodes, then to the
     shallower."""
     s = max(1, sessions)
-    shapes = [(0, 0, 0.0)]  # (depth, nodes, acceptance)
+    chain, tree = rates.chain.rate, rates.tree.rate
+    best, most = (0, 0), (1.0 / cost.seconds(s, 0), 0, 0)  # (speed, -nodes, -depth)
+    # every gateway round of a session that may draft weighs these shapes: one pass, the
+    # first best kept (a shape ties another only when slower to verify or deeper)
     for d in range(1, spec.depth + 1):
-        shapes.append((d, d, rates.chain.rate))
-        if (nodes := tree_nodes(spec, d)) > d:
-            shapes.append((d, nodes, rates.tree.rate))
-
-    def speed(shape: tuple[int, int, float]) -> float:
-        d, n, rate = shape
-        gain = min(d, rates.calibration.factor(d) * (expected_tokens(rate, d) - 1.0))
-        return (1.0 + gain) / cost.seconds(s * (1 + n), d)
-
-    d, n, _ = max(shapes, key=lambda shape: (speed(shape), -shape[1], -shape[0]))
-    return d, n
+        factor = rates.calibration.factor(d)
+        nodes = tree_nodes(spec, d)
+        for n, rate in ((d, chain), (nodes, tree)) if nodes > d else ((d, chain),):
+            gain = min(d, factor * (expected_tokens(rate, d) - 1.0))
+            key = ((1.0 + gain) / cost.seconds(s * (1 + n), d), -n, -d)
+            if key > most:
+                best, most = (d, n), key
+    return best
 
 
 def adapt(

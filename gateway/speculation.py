@@ -53,7 +53,7 @@ from workers.protocol import (
     WorkerDown,
     WorkerError,
 )
-from workers.speculation.ngram import MAX_NGRAM, match_length
+from workers.speculation.ngram import MAX_NGRAM, SuffixIndex
 from workers.speculation.tree import TokenTree, depths, spine
 
 T = TypeVar("T")
@@ -173,6 +173,7 @@ class Speculation(Loop):
         self.lookahead: Lookahead | None = None
         self.suffixes = suffixes  # other requests' outputs, for a hybrid round's n-gram part
         self.local_nodes = 0  # of this round's tree, the nodes of its n-gram part
+        self.suffix = SuffixIndex()  # the history so far, for each round's match length
 
     # --- adaptive trees -----------------------------------------------------------------
 
@@ -208,7 +209,8 @@ class Speculation(Loop):
         if self.drafter != "ngram" or self.options.overlap:
             return 0
         plan = self.state.plan
-        kind = match_length(self.history)
+        self.suffix.extend(self.history[len(self.suffix) :])
+        kind = self.suffix.match_length()
         if kind < MAX_NGRAM and self.suffixes is not None and plan.tenant is not None:
             if self.suffixes.continuations(plan.tenant, self.history, 1):
                 kind = MAX_NGRAM

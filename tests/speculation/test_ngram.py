@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workers.speculation import children, depths, ngram_tree
-from workers.speculation.ngram import match_length
+from workers.speculation.ngram import SuffixIndex, match_length
 
 
 def as_lists(tree) -> tuple[list[int], list[int]]:
@@ -51,6 +51,23 @@ def test_the_match_length_is_the_suffix_the_tree_copies_after():
     assert match_length(history, max_ngram=1) == 1
     assert match_length([5, 7, 9, 5]) == 1  # (9, 5) never occurred: only 5 did
     assert match_length([1, 2, 3, 4]) == match_length([7]) == match_length([]) == 0
+
+
+@pytest.mark.parametrize("vocab,window", [(2, 4096), (3, 5), (5, 30), (20, 2)])
+def test_the_suffix_index_gives_the_match_length_as_the_history_grows(vocab, window):
+    gen = torch.Generator().manual_seed(vocab)
+    history: list[int] = []
+    index = SuffixIndex(window=window)
+    assert index.match_length() == 0
+    for _ in range(150):
+        new = torch.randint(0, vocab, (int(torch.randint(1, 4, ())),), generator=gen).tolist()
+        history += new
+        index.extend(new)
+        assert len(index) == len(history)
+        for most in (1, 2, 3):
+            for least in range(1, most + 1):
+                expected = match_length(history, most, least, window)
+                assert index.match_length(most, least) == expected
 
 
 def test_no_match_and_degenerate_inputs_give_empty_tree():

@@ -64,6 +64,40 @@ def match_length(
     return _longest_match(list(history[-window:]), max_ngram, min_ngram)[0]
 
 
+class SuffixIndex:
+    """`match_length` of a growing history at O(max_ngram) a token: where each n-gram (n <=
+    max_ngram) last ended, once a token followed it. The gateway asks every round of every
+    session what its lookup would match; a scan of the history costs O(len(history))."""
+
+    def __init__(self, max_ngram: int = MAX_NGRAM, window: int = WINDOW):
+        self.max_ngram = max_ngram
+        self.window = window
+        self.tokens: list[int] = []
+        self.last_end: dict[tuple[int, ...], int] = {}  # n-gram -> where it last ended
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Appends tokens: the n-grams ending before each now have a token after them."""
+        history, last_end = self.tokens, self.last_end
+        for token in tokens:
+            end = len(history) - 1
+            for n in range(1, min(self.max_ngram, end + 1) + 1):
+                last_end[tuple(history[end - n + 1 :])] = end
+            history.append(token)
+
+    def match_length(self, max_ngram: int | None = None, min_ngram: int = 1) -> int:
+        """What `match_length(history, max_ngram, min_ngram, window)` gives."""
+        history, size = self.tokens, len(self.tokens)
+        longest = min(max_ngram or self.max_ngram, self.max_ngram, size - 1)
+        for n in range(longest, min_ngram - 1, -1):
+            end = self.last_end.get(tuple(history[size - n :]))
+            if end is not None and end - n + 1 >= size - self.window:
+                return n
+        return 0
+
+
 def ngram_tree(
     history: Sequence[int] | torch.Tensor,
     max_ngram: int = MAX_NGRAM,
