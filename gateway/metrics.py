@@ -167,6 +167,12 @@ class Metrics:
             "Rounds decoded by the target alone because no draft worker answered",
             registry=r,
         )
+        self.dropped_draft_tokens = Counter(
+            "specsplit_dropped_draft_tokens",
+            "Draft tokens a target left out of its forward: greedy trees' last nodes that "
+            "alone would have opened a block of rows its forward computes (16 on AMX)",
+            registry=r,
+        )
         self.prefix_cache_hits = Counter(
             "specsplit_prefix_cache_hits",
             "Session (re)starts on a target that reused cached prompt tokens",

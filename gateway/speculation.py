@@ -309,6 +309,8 @@ class Speculation(Loop):
     async def verify(self, tree: TokenTree) -> VerifyOutcome:
         self.fed = len(self.history) - self.target.held + len(tree) + 1
         self.outcome = await super().verify(tree)
+        if self.outcome.dropped:
+            self.metrics.dropped_draft_tokens.inc(self.outcome.dropped)
         return self.outcome
 
     @property

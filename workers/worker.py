@@ -114,6 +114,13 @@ class WorkerSettings(EngineOptions):
         2048, ge=1, description="a batch stops growing at this many tokens"
     )
     max_tree_nodes: int = Field(64, ge=1, description="most nodes in one draft tree")
+    row_block: int = Field(
+        0,
+        ge=0,
+        description="a target's forward computes rows in blocks of this many: greedy trees "
+        "whose last nodes alone would open a block and fill less than half of it are cut; "
+        "0 = the engine's (16 on the AMX tile unit, else 1); 1 = never cut",
+    )
     drain_s: float = Field(
         1.0,
         ge=0,

@@ -31,6 +31,9 @@ from workers.engine import native
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("bf16_linear.c")
+# rows the tile unit computes at once (bf16_linear.c's AMX_ROWS): on it a call of 17 rows
+# costs what one of 32 does, each layer's products taking another pass over the weights
+AMX_ROWS = 16
 
 
 class Bf16Kernel:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from workers.engine.batch import SlotInput, build_batch
-from workers.engine.bf16_linear import Bf16Linear, bf16_kernel
+from workers.engine.bf16_linear import AMX_ROWS, Bf16Linear, bf16_kernel
 from workers.engine.cuda_graphs import CudaGraphs
 from workers.engine.eagle import EagleHead, draft_kind, load_fuse, load_vocab
 from workers.engine.kv_cache import PagedKVCache
@@ -195,6 +195,14 @@ class Engine:
         """The threads of the compiled bfloat16 kernel its linear layers run on; 0 for none."""
         head = self.model.lm_head
         return head.kernel.threads if isinstance(head, Bf16Linear) else 0
+
+    @property
+    def row_block(self) -> int:
+        """Rows its forward computes in blocks of: a batch of one row past a multiple of it
+        costs about as much as one a whole block larger. The tile unit's 16 where the
+        linear layers run on it (workers/engine/bf16_linear.py); 1 elsewhere."""
+        head = self.model.lm_head
+        return AMX_ROWS if isinstance(head, Bf16Linear) and head.kernel.amx else 1
 
     def torch_beside_kernel(self) -> None:
         """Puts torch on one thread where this engine runs the bfloat16 kernel: the kernel

@@ -188,6 +188,7 @@ class Loop:
         self.before_verify(tree)
         outcome = await self.verify(tree)
         verified = time.perf_counter()
+        tree = tree.head(len(tree) - outcome.dropped)  # what the target verified of it
         round_ = self.state.commit(tree, outcome, degraded, (proposed - start, verified - proposed))
         self.observe(tree, round_)
         return round_

@@ -145,6 +145,7 @@ class VerifyOutcome:
     prefix_hit: int  # cached tokens reused when the session (re)started
     timings: Timings = field(default_factory=Timings)  # filled in by a served worker
     hidden: Features | None = None  # when asked: the states after each token fed and committed
+    dropped: int = 0  # nodes at the tree's end the target left out (workers/target/runner.py)
 
 
 @dataclass(frozen=True)

@@ -241,6 +241,7 @@ def verify_response(outcome: VerifyOutcome) -> pb.VerifyResponse:
         bonus=outcome.emitted[-1],
         prefix_hit=outcome.prefix_hit,
         timings=timings_to_proto(outcome.timings),
+        dropped=outcome.dropped,
         **_features_field("hidden", outcome.hidden),
     )
     for lp in outcome.logprobs or []:
@@ -261,6 +262,7 @@ def verify_outcome(msg: pb.VerifyResponse) -> VerifyOutcome:
         msg.prefix_hit,
         timings_from_proto(msg.timings),
         _features(msg, "hidden"),
+        msg.dropped,
     )
 
 

@@ -275,7 +275,17 @@ def runner_for(
     chunk = settings.prefill_chunk or None
     if role == "target":
         states = settings.prefix_state_mib << 20
-        return TargetRunner(metered, table, settings.max_tree_nodes, chunk, state_bytes=states), 0
+        return (
+            TargetRunner(
+                metered,
+                table,
+                settings.max_tree_nodes,
+                chunk,
+                state_bytes=states,
+                row_block=settings.row_block or None,
+            ),
+            0,
+        )
     return model_drafter(metered, table, chunk), engine.context_length + engine.max_tree_nodes
 
 

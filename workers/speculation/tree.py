@@ -121,6 +121,14 @@ class TokenTree:
         none = torch.empty(0, dtype=torch.long)  # (0,): holds nothing, so both may share it
         return cls(tokens=none, parents=none)
 
+    def head(self, n: int) -> TokenTree:
+        """The first `n` nodes: a tree too, since every node's parent comes before it."""
+        if n >= len(self):
+            return self
+        q_tokens = None if self.q_tokens is None else self.q_tokens[:n]
+        q_probs = None if self.q_probs is None else self.q_probs[:n]
+        return TokenTree(self.tokens[:n], self.parents[:n], q_tokens, q_probs)
+
     @classmethod
     def chain(cls, tokens: Sequence[int] | torch.Tensor) -> TokenTree:
         """A single path: node i is the child of node i-1 (node 0 of the root)."""

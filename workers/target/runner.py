@@ -26,7 +26,7 @@ its answers keep the states of the full blocks they complete for the next.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -71,6 +71,7 @@ class Prepared:
     # with return_hidden, a (re)started session's states of the cached prefix it took,
     # (prefix, E) FEATURE_DTYPE (in `prefill.states` instead when it is fed in chunks)
     known: torch.Tensor | None = None
+    dropped: int = 0  # nodes cut from the end of the call's tree (`TargetRunner.fit_blocks`)
 
 
 def region(pending: list[int], tree: TokenTree) -> tuple[list[int], list[int]]:
@@ -95,8 +96,10 @@ class TargetRunner:
         prefill_chunk: int | None = None,
         hidden_bytes: int = HIDDEN_BYTES,
         state_bytes: int = STATE_BYTES,
+        row_block: int | None = None,
     ):
         self.engine = engine
+        self.row_block = row_block or engine.row_block  # see `fit_blocks`
         self.table = table
         table.attach(engine.cache)
         self.max_tree_nodes = min(max_tree_nodes or engine.max_tree_nodes, engine.max_tree_nodes)
@@ -177,6 +180,7 @@ class TargetRunner:
                 prepared.append((i, self.prepare(call, busy)))
             except Exception as error:  # noqa: BLE001 - returned to that caller only
                 results[i] = error
+        prepared = self.fit_blocks(prepared)
         if prepared:
             out = self.engine.run([p.row for _, p in prepared])
             for (i, p), logits, hidden in zip(prepared, out.logits, out.hidden, strict=True):
@@ -188,6 +192,50 @@ class TargetRunner:
                 else:
                     results[i] = self.finish(p, logits, hidden)
         return results  # type: ignore[return-value]
+
+    def fit_blocks(self, prepared: list[tuple[int, Prepared]]) -> list[tuple[int, Prepared]]:
+        """Cuts the last nodes of greedy trees where they alone would open the forward's
+        last block of `row_block` rows and fill less than half of it.
+
+        On the tile unit a forward computes its tokens 16 rows at a time, so a 17th
+        token costs about what 16 more would (bench/RESULTS.md: a step of 16 decode rows
+        takes 6-7 ms longer with one draft node beside them, out of 35-45 ms). A few
+        nodes spilling past a multiple of 16 rarely accept enough to pay for that, so
+        the target verifies the trees without them: the step then costs what a step of
+        no drafts costs, and where trees fill the block they stay whole. Only trees of
+        greedy exact calls are cut, whose output is the target's whatever their tree (a
+        sampled call's text depends on its tree); of those the largest first, a tree's
+        last node first (a drafter numbers its nodes best first, and any first nodes of
+        a tree are a tree). An answer says how many nodes its call lost (`dropped`).
+        """
+        block = self.row_block
+        total = sum(len(p.row.tokens) for _, p in prepared)
+        spill = total - (total - 1) // block * block  # tokens in the last block, 1 .. block
+        if block <= 1 or 2 * spill >= block:
+            return prepared
+        sizes = {
+            j: len(p.call.tree)
+            for j, (_, p) in enumerate(prepared)
+            if not p.chunk and p.call.params.greedy and p.call.acceptance.lossless
+        }
+        if sum(sizes.values()) < spill:
+            return prepared
+        for _ in range(spill):
+            largest = max(sizes, key=lambda j: (sizes[j], j))
+            sizes[largest] -= 1
+        return [
+            (i, self.cut(p, sizes[j]) if sizes.get(j, len(p.call.tree)) < len(p.call.tree) else p)
+            for j, (i, p) in enumerate(prepared)
+        ]
+
+    @staticmethod
+    def cut(p: Prepared, nodes: int) -> Prepared:
+        """The prepared call with only the first `nodes` nodes of its tree."""
+        tree = p.call.tree.head(nodes)
+        tokens, parents = region(p.session.pending, tree)
+        row = SlotInput(p.session.slot, p.session.cached, parents, tokens, nodes + 1)
+        dropped = len(p.call.tree) - nodes
+        return replace(p, call=replace(p.call, tree=tree), row=row, dropped=dropped)
 
     def finish(self, p: Prepared, logits: torch.Tensor, hidden: torch.Tensor) -> VerifyOutcome:
         # logits: (N + 1, V): row 0 after the last pending token, row i + 1 after node i
@@ -217,7 +265,9 @@ class TargetRunner:
             if self.states is not None:
                 history = session.committed[: features.start + len(states)]
                 self.states.keep(session.id, history, call.cache_salt, features.start, states)
-        return VerifyOutcome(verdict.accepted, emitted, logprobs, p.prefix_hit, hidden=features)
+        return VerifyOutcome(
+            verdict.accepted, emitted, logprobs, p.prefix_hit, hidden=features, dropped=p.dropped
+        )
 
     def hidden_rows(self, width: int) -> int:
         """Most states one call returns, of `width` bfloat16 values each."""
