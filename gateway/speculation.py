@@ -174,6 +174,7 @@ class Speculation(Loop):
         self.suffixes = suffixes  # other requests' outputs, for a hybrid round's n-gram part
         self.local_nodes = 0  # of this round's tree, the nodes of its n-gram part
         self.suffix = SuffixIndex()  # the history so far, for each round's match length
+        self.quiet = 0  # rounds left without a draft since the target cut a whole tree
 
     # --- adaptive trees -----------------------------------------------------------------
 
@@ -187,6 +188,11 @@ class Speculation(Loop):
         # the round that feeds the prompt drafts nothing: no round has measured the session
         # yet, and tree nodes would make its forward, and so its first token, later
         if self.target.held < len(self.history):
+            return None
+        # a target that cut the last tree whole (workers/target/runner.py fit_blocks: its
+        # nodes would have opened a block of rows) is as busy as that for a while: no
+        # lookup, no draft, until a probe's worth of rounds has passed
+        if self.quiet:
             return None
         kind = self.match_kind()
         if kind is None:
@@ -309,9 +315,18 @@ class Speculation(Loop):
     async def verify(self, tree: TokenTree) -> VerifyOutcome:
         self.fed = len(self.history) - self.target.held + len(tree) + 1
         self.outcome = await super().verify(tree)
-        if self.outcome.dropped:
-            self.metrics.dropped_draft_tokens.inc(self.outcome.dropped)
+        self.cut_by_target(len(tree), self.outcome.dropped)
         return self.outcome
+
+    def cut_by_target(self, nodes: int, dropped: int) -> None:
+        """The target left the last `dropped` of the tree's `nodes` out of its forward:
+        they would have opened a block of rows (workers/target/runner.py). A tree cut
+        whole keeps the session from drafting for a probe's worth of rounds."""
+        if not dropped:
+            return
+        self.metrics.dropped_draft_tokens.inc(dropped)
+        if dropped == nodes:
+            self.quiet = self.config.probe_every * max(1, self.load)
 
     @property
     def drafter(self) -> str | None:
@@ -329,6 +344,7 @@ class Speculation(Loop):
 
     def observe(self, tree: TokenTree, round_: Round) -> None:
         draft_s, verify_s = round_.seconds
+        self.quiet = max(0, self.quiet - 1)
         if self.route.drafts:
             self.metrics.round_phase.labels("draft").observe(draft_s)
         self.metrics.round_phase.labels("verify").observe(verify_s)

@@ -70,6 +70,11 @@ def test_nodes_filling_half_a_block_stay_and_the_largest_tree_loses_first():
     assert [o.dropped for o in sessions.step(chains(6, 5, 4, 0))] == [2, 1, 0, 0]  # 19
 
 
+def test_a_tree_is_never_cut_where_the_batch_has_one_block():
+    sessions = Sessions(runner(16), 1)  # one decode row and 6 nodes: 7 rows, one block
+    assert [o.dropped for o in sessions.step(chains(6))] == [0]
+
+
 def test_a_sampled_calls_tree_is_never_cut():
     sessions = Sessions(runner(4), 4)
     assert [o.dropped for o in sessions.step(chains(1, 0, 0, 0), SAMPLED)] == [0, 0, 0, 0]

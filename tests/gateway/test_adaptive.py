@@ -336,6 +336,18 @@ def test_a_session_drafts_nothing_while_it_feeds_its_prompt():
     assert speculation.shape(SPEC) is not None
 
 
+def test_a_tree_the_target_cut_whole_keeps_the_session_from_drafting_for_a_while():
+    speculation = session(rates(0.9))
+    speculation.target.held = len(speculation.history)
+    speculation.cut_by_target(3, 1)  # its last node would have opened a block of rows
+    assert speculation.quiet == 0 and speculation.shape(SPEC) is not None
+    speculation.cut_by_target(3, 3)  # every node would have
+    assert speculation.quiet == CONFIG.probe_every  # rounds (times the target's sessions)
+    assert speculation.shape(SPEC) is None
+    speculation.quiet = 0
+    assert speculation.shape(SPEC) is not None
+
+
 def test_a_session_follows_every_sessions_estimate_until_it_has_drafted():
     recent = rates(0.02)
     speculation = session(recent)
