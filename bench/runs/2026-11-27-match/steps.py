@@ -1,6 +1,7 @@
 """The target worker's steps during default and off waves at N chat streams (one serve).
 
-Usage, from a clone of the commit measured: `PYTHONPATH=$PWD python steps.py STREAMS PAIRS`.
+Usage, from a clone of the commit measured: `PYTHONPATH=$PWD python steps.py STREAMS PAIRS
+[REQUESTS]` (REQUESTS: each stream's requests a wave, at least; 2 unless given).
 """
 
 import asyncio
@@ -53,8 +54,8 @@ def scrape(ports: list[int]) -> dict[str, float] | None:
     return None
 
 
-async def waves(url: str, pid: int, streams: int, pairs: int) -> None:
-    s = PairedBenchSettings(workload="chat", prompts=16, streams=str(streams))
+async def waves(url: str, pid: int, s: PairedBenchSettings, pairs: int) -> None:
+    streams = int(s.streams)
     conversations = messages("chat", 16)
     await run_wave(url, conversations, s, streams, "auto", None)
     await run_wave(url, conversations, s, streams, "off", None)
@@ -79,9 +80,12 @@ async def waves(url: str, pid: int, streams: int, pairs: int) -> None:
 
 def main() -> None:
     streams, pairs = int(sys.argv[1]), int(sys.argv[2])
-    s = PairedBenchSettings(workload="chat", prompts=16, streams=str(streams))
+    requests = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    s = PairedBenchSettings(
+        workload="chat", prompts=16, streams=str(streams), requests_per_stream=requests
+    )
     with ServeProcess(serve_args(s, streams)) as serve:
-        asyncio.run(waves(serve.url, serve.process.pid, streams, pairs))
+        asyncio.run(waves(serve.url, serve.process.pid, s, pairs))
 
 
 if __name__ == "__main__":
