@@ -81,6 +81,13 @@ def region(pending: list[int], tree: TokenTree) -> tuple[list[int], list[int]]:
     return pending + tree.tokens.tolist(), parents
 
 
+def tree_row(session: Session, tree: TokenTree) -> SlotInput:
+    """The session's row of a forward: its pending tokens and the tree, logits for the last
+    pending token and every node."""
+    tokens, parents = region(session.pending, tree)
+    return SlotInput(session.slot, session.cached, parents, tokens, len(tree) + 1)
+
+
 # Most bytes of hidden states one Verify returns: of a longer prompt only its newest
 # positions' states go; a feature draft feeds the older ones zeros. 16 MiB: 14,563
 # positions of a 576-wide model, 2,048 of a 4,096-wide one.
@@ -133,8 +140,7 @@ class TargetRunner:
                 known = None
             self.chunking[call.session_id] = going
         else:
-            tokens, parents = region(pending, call.tree)
-            row = SlotInput(session.slot, session.cached, parents, tokens, len(call.tree) + 1)
+            row = tree_row(session, call.tree)
         self.table.reserve(session, session.cached + len(row.parents), busy)
         chunk = row.logits_for == 0
         return Prepared(call, session, row, hit, chunk, going, known)
@@ -198,14 +204,15 @@ class TargetRunner:
         last block of `row_block` rows and fill less than half of it.
 
         On the tile unit a forward computes its tokens 16 rows at a time, so a 17th
-        token costs about what 16 more would (bench/RESULTS.md: a step of 16 decode rows
-        takes 6-7 ms longer with one draft node beside them, out of 35-45 ms). A few
+        token costs another pass over every layer's weights, what several more rows
+        would (bench/RESULTS.md: a step of 16 decode rows takes 5-7 ms longer with one
+        draft node beside them, out of 35-45 ms), and rows 18 to 32 ride along. A few
         nodes spilling past a multiple of 16 rarely accept enough to pay for that, so
         the target verifies the trees without them: the step then costs what a step of
         no drafts costs, and where trees fill the block they stay whole. Only trees of
         greedy exact calls are cut, whose output is the target's whatever their tree (a
         sampled call's text depends on its tree); of those the largest first, a tree's
-        last node first (a drafter numbers its nodes best first, and any first nodes of
+        last node first (an n-gram tree numbers its nodes best first; any first nodes of
         a tree are a tree). An answer says how many nodes its call lost (`dropped`).
         """
         block = self.row_block
@@ -232,10 +239,10 @@ class TargetRunner:
     def cut(p: Prepared, nodes: int) -> Prepared:
         """The prepared call with only the first `nodes` nodes of its tree."""
         tree = p.call.tree.head(nodes)
-        tokens, parents = region(p.session.pending, tree)
-        row = SlotInput(p.session.slot, p.session.cached, parents, tokens, nodes + 1)
         dropped = len(p.call.tree) - nodes
-        return replace(p, call=replace(p.call, tree=tree), row=row, dropped=dropped)
+        return replace(
+            p, call=replace(p.call, tree=tree), row=tree_row(p.session, tree), dropped=dropped
+        )
 
     def finish(self, p: Prepared, logits: torch.Tensor, hidden: torch.Tensor) -> VerifyOutcome:
         # logits: (N + 1, V): row 0 after the last pending token, row i + 1 after node i
