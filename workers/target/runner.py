@@ -216,30 +216,30 @@ class TargetRunner:
         a tree are a tree). An answer says how many nodes its call lost (`dropped`).
         """
         block = self.row_block
+        if block <= 1:
+            return prepared
         total = sum(len(p.row.tokens) for _, p in prepared)
         spill = total - (total - 1) // block * block  # tokens in the last block, 1 .. block
-        if block <= 1 or 2 * spill >= block:
-            return prepared
         sizes = {
             j: len(p.call.tree)
             for j, (_, p) in enumerate(prepared)
             if not p.chunk and p.call.params.greedy and p.call.acceptance.lossless
         }
-        if sum(sizes.values()) < spill:
+        if 2 * spill >= block or sum(sizes.values()) < spill:
             return prepared
+        dropped = dict.fromkeys(sizes, 0)
         for _ in range(spill):
-            largest = max(sizes, key=lambda j: (sizes[j], j))
-            sizes[largest] -= 1
+            largest = max(sizes, key=lambda j: (sizes[j] - dropped[j], j))
+            dropped[largest] += 1
         return [
-            (i, self.cut(p, sizes[j]) if sizes.get(j, len(p.call.tree)) < len(p.call.tree) else p)
+            (i, self.cut(p, dropped[j]) if dropped.get(j) else p)
             for j, (i, p) in enumerate(prepared)
         ]
 
     @staticmethod
-    def cut(p: Prepared, nodes: int) -> Prepared:
-        """The prepared call with only the first `nodes` nodes of its tree."""
-        tree = p.call.tree.head(nodes)
-        dropped = len(p.call.tree) - nodes
+    def cut(p: Prepared, dropped: int) -> Prepared:
+        """The prepared call without the last `dropped` nodes of its tree."""
+        tree = p.call.tree.head(len(p.call.tree) - dropped)
         return replace(
             p, call=replace(p.call, tree=tree), row=tree_row(p.session, tree), dropped=dropped
         )
