@@ -25,12 +25,7 @@ Both sides are estimated per round:
   every session feeds 1 + N(D) tokens (N(D): the tree's nodes at depth D)
   costs a + b * S * (1 + N(D)), plus the draft's measured seconds per level
   times D (a model draft expands the tree level by level; n-gram drafts
-  cost nothing). The line prices every token alike, and where the forward
-  computes rows in tiles a token that starts a tile costs several times the
-  next one; so the same rounds are also kept by the tokens their step fed
-  (`StepCosts`), and a shape is drafted only if its nodes also pay in the
-  step the session was last verified in, at what a step that many tokens
-  larger was measured to cost (`Batch`; sizes not seen yet: the line).
+  cost nothing).
 
 The shape maximises expected tokens per second of round time,
 E(D) / (a + b S (1 + N) + D * level_s), over depths 0..max and two shapes
@@ -102,9 +97,6 @@ class AdaptiveConfig:
     calibration_ewma: float = 0.02  # weight of the newest drafted round in the calibration
     # each drafted round pulls every other depth's calibration this far towards every depth's
     depth_relax: float = 0.002
-    # rounds' worth of a target's steps that fed one count of tokens before their measured
-    # seconds price the nodes that would make a step that large (`Batch`); 0: never
-    step_rounds: float = 3.0
 
     def __post_init__(self):
         if self.knee_tokens < 0 or not 0 < self.ewma <= 1 or not 0 <= self.prior_rate < 1:
@@ -119,13 +111,11 @@ class AdaptiveConfig:
             or self.prior_weight <= 0
             or not 0 < self.calibration_ewma <= 1
             or not 0 <= self.depth_relax <= 1
-            or self.step_rounds < 0
         ):
             raise ValueError(
                 "need 0 < cost_ewma <= 1, prior_weight > 0, 0 < calibration_ewma <= 1, "
-                f"0 <= depth_relax <= 1, step_rounds >= 0; got {self.cost_ewma}, "
-                f"{self.prior_weight}, {self.calibration_ewma}, {self.depth_relax}, "
-                f"{self.step_rounds}"
+                f"0 <= depth_relax <= 1; got {self.cost_ewma}, {self.prior_weight}, "
+                f"{self.calibration_ewma}, {self.depth_relax}"
             )
 
 
@@ -144,43 +134,6 @@ class RoundCost:
 
     def seconds(self, tokens: float, depth: int) -> float:
         return self.fixed_s + self.token_s * tokens + self.level_s * depth
-
-
-# the most tokens fed of a step whose seconds `StepCosts` keeps (larger ones: the line's)
-STEP_TOKENS = 256
-
-
-@dataclass
-class StepCosts:
-    """A target's seconds a step by the tokens its batch fed: an exponentially weighted
-    mean for each count up to STEP_TOKENS, from the rounds that fed that many.
-
-    The line (`CostFit`) prices every token alike, and a forward is not a line where
-    its products run in tiles of rows: on a 2-core Zen 4 (AVX512_BF16, tiles of 6
-    rows) one forward of 8 decode rows took 14.8 ms, of 9 16.7 and of 10 17.0, and
-    at 8 chat streams the gateway saw steps that fed 9 tokens take 3 ms longer than
-    steps that fed 8, where its line priced a token at 0.9 ms
-    (bench/runs/2026-11-27-amd/). `Batch` prices a session's nodes by them."""
-
-    means: dict[int, float] = field(default_factory=dict)  # tokens fed -> seconds
-    weights: dict[int, float] = field(default_factory=dict)  # tokens fed -> rounds' worth
-
-    def observe(self, tokens: int, seconds: float, config: AdaptiveConfig, share: float) -> None:
-        """One call's round (`CostFit.observe`); each count forgets at the line's pace, as
-        rounds of its own come."""
-        if tokens > STEP_TOKENS:
-            return
-        weight = (1.0 - config.cost_ewma) ** share * self.weights.get(tokens, 0.0) + share
-        mean = self.means.get(tokens, seconds)
-        self.weights[tokens] = weight
-        self.means[tokens] = mean + share / weight * (seconds - mean)
-
-    def seconds(self, tokens: int, config: AdaptiveConfig) -> float | None:
-        """The measured seconds of a step that feeds `tokens`; None until `step_rounds`
-        rounds' worth of them were seen (or never, with step_rounds 0)."""
-        if not config.step_rounds or self.weights.get(tokens, 0.0) < config.step_rounds:
-            return None
-        return self.means[tokens]
 
 
 @dataclass
@@ -204,7 +157,6 @@ class CostFit:
     # the last line and the config it was fitted with: every session of a batch asks for
     # it between the batch's answers (each observed) and its next forward
     fitted: tuple[AdaptiveConfig, RoundCost] | None = field(default=None, compare=False)
-    steps: StepCosts = field(default_factory=StepCosts)  # the same rounds by size
 
     def observe(
         self, tokens: int, seconds: float, config: AdaptiveConfig, share: float = 1.0
@@ -214,7 +166,6 @@ class CostFit:
         a forward counts once, however many sessions it served."""
         if tokens <= 0 or seconds <= 0 or share <= 0:
             return
-        self.steps.observe(tokens, seconds, config, share)
         self.fitted = None
         keep = (1.0 - config.cost_ewma) ** share
         self.weight = keep * self.weight + share
@@ -245,30 +196,6 @@ class CostFit:
         a = (t - b * n) / w
         b = max(b, 1e-3 * prior_b)  # a round never gets cheaper with more tokens
         return RoundCost(max(a, 0.0), b)
-
-
-@dataclass(frozen=True)
-class Batch:
-    """The step a session's last round was verified in, as it would be without the
-    session's draft nodes: the tokens it fed and its calls, with its target's measured
-    step costs. The shapes `weigh_shapes` weighs assume every session drafts alike and
-    price a node on the line; a node of this session joins this step alone (on chat, at
-    load, few sessions draft in a step), so it must also pay for what a step that many
-    tokens larger was measured to cost."""
-
-    tokens: int
-    calls: int
-    steps: StepCosts
-    config: AdaptiveConfig
-
-    def pays(self, nodes: int, gain: float) -> bool:
-        """Whether the step's calls emit more tokens a second with `nodes` more tokens fed
-        that emit `gain` more; True where either step size is not measured yet."""
-        before = self.steps.seconds(self.tokens, self.config)
-        after = self.steps.seconds(self.tokens + nodes, self.config)
-        if before is None or after is None:
-            return True
-        return (self.calls + gain) / after > self.calls / before
 
 
 @dataclass
@@ -483,25 +410,20 @@ def can_pay(rates: Rates, sessions: int, cost: RoundCost) -> bool:
     return chain > plain or tree > plain
 
 
-def best_shape(
-    rates: Rates, sessions: int, spec: TreeSpec, cost: RoundCost, batch: Batch | None = None
-) -> tuple[int, int]:
+def best_shape(rates: Rates, sessions: int, spec: TreeSpec, cost: RoundCost) -> tuple[int, int]:
     """The (depth, nodes) with the most tokens per second of round time (`weigh_shapes`);
     (0, 0) = no speculation, at once where no draft can pay (`can_pay`)."""
     s = max(1, sessions)
     if not can_pay(rates, s, cost):
         return 0, 0
-    return weigh_shapes(rates, s, spec, cost, batch)
+    return weigh_shapes(rates, s, spec, cost)
 
 
-def weigh_shapes(
-    rates: Rates, sessions: int, spec: TreeSpec, cost: RoundCost, batch: Batch | None = None
-) -> tuple[int, int]:
+def weigh_shapes(rates: Rates, sessions: int, spec: TreeSpec, cost: RoundCost) -> tuple[int, int]:
     """The (depth, nodes) with the most tokens per second of round time, every shape
     weighed: the configured shape cut to a depth (at the trees' acceptance) or a chain as
     deep (at the spines'); (0, 0) = no speculation. Ties go to fewer nodes, then to the
-    shallower. With the session's `batch`, a shape whose nodes would not pay in it by the
-    target's measured step costs is not drafted."""
+    shallower."""
     s = max(1, sessions)
     chain, tree = rates.chain.rate, rates.tree.rate
     best, most = (0, 0), (1.0 / cost.seconds(s, 0), 0, 0)  # (speed, -nodes, -depth)
@@ -513,7 +435,7 @@ def weigh_shapes(
         for n, rate in ((d, chain), (nodes, tree)) if nodes > d else ((d, chain),):
             gain = min(d, factor * (expected_tokens(rate, d) - 1.0))
             key = ((1.0 + gain) / cost.seconds(s * (1 + n), d), -n, -d)
-            if key > most and (batch is None or batch.pays(n, gain)):
+            if key > most:
                 best, most = (d, n), key
     return best
 
@@ -524,16 +446,15 @@ def adapt(
     sessions: int,
     cost: RoundCost,
     config: AdaptiveConfig,
-    batch: Batch | None = None,
 ) -> TreeSpec | None:
     """This round's tree within `spec` (the largest allowed), or None for no speculation.
 
     `sessions` is the number of live sessions on the target this session uses,
-    `cost` that target's round cost, `batch` the step the session was last verified in.
+    `cost` that target's round cost.
     """
     if spec.depth <= 0 or spec.budget <= 0:
         return None
-    depth, nodes = best_shape(rates, sessions, spec, cost, batch)
+    depth, nodes = best_shape(rates, sessions, spec, cost)
     if depth > 0:
         rates.rounds_off = 0
         if nodes == depth:

@@ -33,15 +33,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from gateway.adaptive import (
-    AdaptiveConfig,
-    Batch,
-    Rates,
-    RatesByMatch,
-    RoundCost,
-    RoundShape,
-    adapt,
-)
+from gateway.adaptive import AdaptiveConfig, Rates, RatesByMatch, RoundCost, RoundShape, adapt
 from gateway.errors import APIError
 from gateway.hangs import Hung
 from gateway.metrics import Metrics
@@ -183,8 +175,6 @@ class Speculation(Loop):
         self.local_nodes = 0  # of this round's tree, the nodes of its n-gram part
         self.suffix = SuffixIndex()  # the history so far, for each round's match length
         self.quiet = 0  # rounds left without a draft since the target cut a whole tree
-        # the step the last round was verified in, without its draft nodes: tokens, calls
-        self.step: tuple[int, int] | None = None
 
     # --- adaptive trees -----------------------------------------------------------------
 
@@ -210,18 +200,7 @@ class Speculation(Loop):
         self.kind = kind
         if self.recent is not None:
             self.rates.follow(self.recent[kind])
-        return adapt(
-            spec, self.rates, self.load, self.round_cost, self.options.adaptive, self.batch()
-        )
-
-    def batch(self) -> Batch | None:
-        """The step this session was last verified in, priced by its target's measured
-        step costs (gateway.adaptive.Batch); None before a served target reported one."""
-        worker = self.target.worker
-        if self.step is None or worker is None:
-            return None
-        tokens, calls = self.step
-        return Batch(tokens, calls, worker.cost.steps, self.config)
+        return adapt(spec, self.rates, self.load, self.round_cost, self.options.adaptive)
 
     @property
     def rates(self) -> Rates:
@@ -335,16 +314,8 @@ class Speculation(Loop):
 
     async def verify(self, tree: TokenTree) -> VerifyOutcome:
         self.fed = len(self.history) - self.target.held + len(tree) + 1
-        worker = self.target.worker
         self.outcome = await super().verify(tree)
         self.cut_by_target(len(tree), self.outcome.dropped)
-        self.step = None
-        timings = self.outcome.timings
-        # a round that fed its last token and its tree alone (no prompt, no history sent
-        # again, the same target): the step less this session's verified nodes
-        if self.fed == len(tree) + 1 and self.target.worker is worker and timings.batch_tokens:
-            nodes = len(tree) - self.outcome.dropped
-            self.step = timings.batch_tokens - nodes, timings.batch_size
         return self.outcome
 
     def cut_by_target(self, nodes: int, dropped: int) -> None:

@@ -10,10 +10,8 @@ import pytest
 from openai import OpenAI
 
 from gateway.adaptive import (
-    STEP_TOKENS,
     Acceptance,
     AdaptiveConfig,
-    Batch,
     Calibration,
     CostFit,
     Rates,
@@ -21,7 +19,6 @@ from gateway.adaptive import (
     Ratio,
     RoundCost,
     RoundShape,
-    StepCosts,
     adapt,
     best_shape,
     can_pay,
@@ -36,7 +33,7 @@ from tests.gateway.helpers import (
     slow_target,
     target,
 )
-from workers.protocol import Timings, TreeSpec, VerifyOutcome
+from workers.protocol import TreeSpec
 
 CONFIG = AdaptiveConfig(knee_tokens=20.0, ewma=0.3, prior_rate=0.8, probe_every=4)
 SPEC = TreeSpec(depth=12, branching=2, budget=24)
@@ -252,91 +249,6 @@ def test_the_cost_fit_follows_a_target_that_changes():
     dear_tokens = fit.line(CONFIG)
     assert dear_tokens.fixed_s / dear_tokens.token_s < 1
     assert best_depth(0.6, 1, SPEC, dear_tokens) < best_depth(0.6, 1, SPEC, cheap_tokens)
-
-
-def test_step_costs_keep_each_size_once_a_few_rounds_fed_it():
-    steps = StepCosts()
-    for _ in range(2):  # two steps of 8 calls
-        for _ in range(8):
-            steps.observe(8, 0.016, CONFIG, share=1 / 8)
-    assert steps.seconds(8, CONFIG) is None  # two rounds' worth: not yet
-    for seconds in (0.017, 0.018):
-        for _ in range(8):
-            steps.observe(8, seconds, CONFIG, share=1 / 8)
-    assert steps.seconds(8, CONFIG) == pytest.approx(0.01675, rel=0.02)
-    assert steps.seconds(9, CONFIG) is None  # never seen
-    assert steps.seconds(8, replace(CONFIG, step_rounds=0)) is None  # off
-    steps.observe(STEP_TOKENS + 1, 1.0, CONFIG, share=1.0)
-    assert STEP_TOKENS + 1 not in steps.means  # a prefill's size: the line prices it
-    fit = CostFit()  # keeps them from the rounds it fits its line to
-    for _ in range(4):
-        fit.observe(12, 0.020, CONFIG)
-    assert fit.steps.seconds(12, CONFIG) == pytest.approx(0.020)
-
-
-def measured(costs: dict[int, float]) -> StepCosts:
-    """Step costs that have seen each size's seconds often enough."""
-    steps = StepCosts()
-    for tokens, seconds in costs.items():
-        for _ in range(4):
-            steps.observe(tokens, seconds, CONFIG, share=1.0)
-    return steps
-
-
-# a forward in tiles of rows (bench/runs/2026-11-27-amd/, 8 chat streams): a 9th token costs
-# 3 ms, the next ones about 0.5 ms each; the line through them prices a token at 0.9 ms
-LUMPY = {8: 0.0164, 9: 0.0195, 10: 0.0197, 11: 0.0202, 12: 0.0206, 13: 0.0212, 16: 0.0235}
-LINE_8 = RoundCost(0.0094, 0.0009)
-
-
-def test_a_node_that_would_make_a_dear_step_is_not_drafted():
-    step = Batch(8, 8, measured(LUMPY), CONFIG)
-    assert not step.pays(1, 0.9)  # 9 tokens a step cost 19% more: no node pays that
-    assert step.pays(5, 4.0)  # a 5-deep chain that keeps most of its tokens does
-    assert Batch(8, 8, StepCosts(), CONFIG).pays(1, 0.1)  # unmeasured: the line decides
-    spines = rates(0.6)  # a one-node chain pays on the line, not in this step
-    assert best_shape(spines, 8, CHAIN, LINE_8) == (1, 1)
-    assert best_shape(spines, 8, CHAIN, LINE_8, step) == (0, 0)
-    copied = rates(0.95)  # a long copied run: the deep chain pays in the step as well
-    depth, nodes = best_shape(copied, 8, CHAIN, LINE_8, step)
-    assert depth == nodes >= 5 and step.pays(nodes, expected_tokens(0.95, depth) - 1)
-    linear = Batch(8, 8, measured({n: 0.0094 + 0.0009 * n for n in range(8, 25)}), CONFIG)
-    for alpha in (0.3, 0.5, 0.6, 0.8, 0.95):  # where steps cost what the line says: no change
-        assert best_shape(rates(alpha), 8, CHAIN, LINE_8, linear) == best_shape(
-            rates(alpha), 8, CHAIN, LINE_8
-        )
-
-
-def test_a_session_prices_its_nodes_in_the_step_it_was_last_verified_in(monkeypatch):
-    from types import SimpleNamespace
-
-    from workers.loop import Loop
-    from workers.speculation.tree import TokenTree
-
-    speculation = session(rates(0.6))
-    fit = CostFit()
-    for tokens, seconds in LUMPY.items():  # the line through them, and each size seen often
-        for _ in range(4):
-            fit.observe(tokens, seconds, CONFIG)
-    worker = SimpleNamespace(cost=fit, load=8, max_tree_nodes=64)
-    speculation.target.worker, speculation.target.held = worker, len(speculation.history)
-    spec = replace(CHAIN, depth=1, budget=1)
-    assert speculation.shape(spec) is not None  # no step yet: the line alone
-    timings = Timings(batch_size=8, batch_tokens=9)  # fed its last token and one node
-
-    async def verified(self, tree):
-        self.target.held = len(self.history) + 2
-        return VerifyOutcome([0], [5, 6], None, 0, timings)
-
-    monkeypatch.setattr(Loop, "verify", verified)
-    import asyncio
-
-    asyncio.run(speculation.verify(TokenTree.chain([5])))
-    assert speculation.step == (8, 8)  # the step less its own node
-    assert speculation.shape(spec) is None  # a 9th token costs that step 19%
-    speculation.target.held = 0  # the next round sends its history again: not a step of
-    asyncio.run(speculation.verify(TokenTree.chain([5])))  # decode rows
-    assert speculation.step is None
 
 
 @pytest.mark.parametrize("sessions", [1, 16])
