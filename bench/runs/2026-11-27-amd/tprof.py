@@ -1,0 +1,53 @@
+"""py-spy the target worker during waves of one mode at N chat streams, then the samples a
+wave's token spends in selected frames.
+
+Usage, from a clone of the commit measured: `PYTHONPATH=$PWD python tprof.py STREAMS MODE
+WAVES OUT` (MODE: auto or off; OUT: py-spy's raw stacks). Needs py-spy on PATH.
+"""
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+from workers.tools.bench.paired import PairedBenchSettings, run_wave, serve_args
+from workers.tools.bench.serving import ServeProcess, children
+from workers.tools.bench.workloads import messages
+
+
+def target_pid(serve_pid: int) -> int:
+    for child in children(serve_pid):
+        if "worker target" in Path(f"/proc/{child}/cmdline").read_text().replace("\0", " "):
+            return child
+    raise RuntimeError("no target worker")
+
+
+async def waves(url: str, pid: int, streams: int, mode: str, n: int, out: str) -> None:
+    s = PairedBenchSettings(workload="chat", prompts=16, streams=str(streams))
+    conversations = messages("chat", 16)
+    for warm in ("auto", "off"):
+        await run_wave(url, conversations, s, streams, warm, None)
+    command = ["py-spy", "record", "-p", str(target_pid(pid)), "-r", "200", "-f", "raw"]
+    spy = subprocess.Popen(
+        [*command, "-o", out, "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    await asyncio.sleep(1)
+    tokens = 0
+    for _ in range(n):
+        w = await run_wave(url, conversations, s, streams, mode, pid)
+        tokens += w.figures.tokens
+        print(mode, round(w.tok_s, 1), "tau", w.figures.tau, flush=True)
+    spy.send_signal(2)
+    spy.wait()
+    print("tokens", tokens)
+
+
+def main() -> None:
+    streams, mode, n, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    s = PairedBenchSettings(workload="chat", prompts=16, streams=str(streams))
+    with ServeProcess(serve_args(s, streams)) as serve:
+        asyncio.run(waves(serve.url, serve.process.pid, streams, mode, n, out))
+
+
+if __name__ == "__main__":
+    main()
