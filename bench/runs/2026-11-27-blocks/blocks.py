@@ -24,6 +24,7 @@ from workers.speculation.tree import TokenTree
 from workers.target.runner import TargetRunner
 
 PREFIX = 300
+FORWARD_ROWS = (12, 14, 15, 16, 17, 18, 20, 24, 28, 31, 32, 33, 34)
 
 
 def quartile(times: list[float]) -> float:
@@ -70,10 +71,9 @@ def engine(sessions: int) -> Engine:
     return loaded
 
 
-def forward() -> None:
-    model = engine(40)
+def forward(sessions: int = 40, counts: tuple[int, ...] = FORWARD_ROWS) -> None:
+    model = engine(sessions)
     ids = [(7 * i + 11) % model.vocab_size for i in range(PREFIX)]
-    counts = [12, 14, 15, 16, 17, 18, 20, 24, 28, 31, 32, 33, 34]
     times: dict[int, list[float]] = {n: [] for n in counts}
     for _ in range(8):
         for n in counts:
@@ -84,22 +84,24 @@ def forward() -> None:
         print(f"{n:3} decode rows: {quartile(times[n]):6.2f} ms")
 
 
-def runner() -> None:
-    target = TargetRunner(engine(16), SessionTable(16), row_block=1)  # nothing cut
+def runner(sessions: int = 16, more: dict[str, list[int]] | None = None) -> None:
+    """`sessions` decode rows alone, then with draft nodes beside them: the kinds below and
+    `more` (a kind's name -> the nodes of each session that drafts)."""
+    target = TargetRunner(engine(sessions), SessionTable(sessions), row_block=1)  # nothing cut
     greedy = SamplingParams()
-    prompts = {f"s{i}": [(7 * j + 11 * i) % 49152 for j in range(PREFIX)] for i in range(16)}
+    prompts = {f"s{i}": [(7 * j + 11 * i) % 49152 for j in range(PREFIX)] for i in range(sessions)}
     held = {}
     first = [VerifyCall(s, 0, p, TokenTree.empty(), greedy) for s, p in prompts.items()]
     for call, outcome in zip(first, target.verify(first), strict=True):
         held[call.session_id] = PREFIX + len(outcome.emitted)
-    kinds = {"16 rows": [], "1 of them with 1 node": [1], "2 with 1 node": [1, 1]}
-    kinds |= {"1 with 2 nodes": [2], "4 with 1 node": [1] * 4}
+    kinds = {f"{sessions} rows": [], "1 of them with 1 node": [1], "2 with 1 node": [1, 1]}
+    kinds |= {"1 with 2 nodes": [2], "4 with 1 node": [1] * 4} | (more or {})
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for _ in range(6):
         for kind, nodes in kinds.items():
             for step in range(6):
                 trees = [TokenTree.chain([5] * n) for n in nodes]
-                trees += [TokenTree.empty()] * (16 - len(trees))
+                trees += [TokenTree.empty()] * (sessions - len(trees))
                 calls = [
                     VerifyCall(s, held[s], [], t, greedy) for s, t in zip(held, trees, strict=True)
                 ]
