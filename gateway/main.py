@@ -30,7 +30,7 @@ import uvicorn
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
 from workers.settings import parse
-from workers.worker import freeze_heap
+from workers.worker import freeze_heap, log_runtime, run_loop
 
 
 def configure_logging(level: str) -> None:
@@ -88,6 +88,7 @@ async def run(settings: GatewaySettings) -> int:
         await asyncio.sleep(0.05)
     if server.started:
         freeze_heap("gateway")
+        log_runtime("gateway", config.http_protocol_class.__name__)
     await asyncio.wait([serving, asyncio.create_task(stop.wait())], return_when="FIRST_COMPLETED")
     await drain_and_stop(app, server, serving, settings.drain_timeout_s, cut)
     return 0 if server.started else 1
@@ -100,4 +101,4 @@ def main(argv: list[str]) -> None:
         settings.worker_security()  # the same check the app makes, before it starts
     except (ValueError, OSError) as error:
         sys.exit(f"specsplit gateway: {error}")
-    sys.exit(asyncio.run(run(settings)))
+    sys.exit(run_loop(run(settings)))

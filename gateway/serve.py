@@ -58,7 +58,7 @@ from gateway.settings import GatewayOptions, GatewaySettings
 from gateway.supervise import Backoff, Child, Supervisor
 from workers.rpc.security import issue
 from workers.settings import EngineOptions, parse, settings_config, to_argv
-from workers.worker import WorkerSettings, die_with, freeze_heap
+from workers.worker import WorkerSettings, die_with, freeze_heap, log_runtime, run_loop
 
 log = logging.getLogger("specsplit.serve")
 
@@ -300,6 +300,7 @@ async def serve(s: ServeSettings) -> int:
         )
         if ready:
             freeze_heap("gateway")
+            log_runtime("gateway", config.http_protocol_class.__name__)
             write_state()
             print(f"SpecSplit ready: {url}", flush=True)
             supervisor.start()
@@ -320,4 +321,4 @@ def main(argv: list[str]) -> None:
     if settings.parent_pid is not None:
         die_with(settings.parent_pid)
     configure_logging(settings.log_level)
-    sys.exit(asyncio.run(serve(settings)))
+    sys.exit(run_loop(serve(settings)))

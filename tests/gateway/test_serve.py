@@ -146,6 +146,15 @@ def test_the_gateway_and_each_worker_freeze_their_start_up_heap(serve):
     assert all(count > 10_000 for count in counts), frozen
 
 
+@pytest.mark.embedded
+def test_the_gateway_and_each_worker_run_on_uvloop(serve):
+    # libuv's loop in every process, and httptools parsing the gateway's HTTP
+    loops = [line for line in serve.lines if ": event loop " in line]
+    assert sum(" gateway: event loop uvloop, HTTP HttpToolsProtocol" in line for line in loops) == 1
+    assert sum(line.endswith(" target worker: event loop uvloop\n") for line in loops) == 2, loops
+    assert len(loops) == 3, loops
+
+
 def test_greedy_chat_equals_transformers(client, embedded_hf, embedded_tokenizer):
     reply = client.chat.completions.create(
         model=MODEL, messages=QUESTION, max_tokens=24, temperature=0

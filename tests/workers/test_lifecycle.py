@@ -23,6 +23,7 @@ from workers.protocol import ProposeCall, TreeSpec, VerifyCall
 from workers.rpc.client import GrpcBackend
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree
+from workers.worker import run_loop
 
 ROOT = Path(__file__).resolve().parents[2]
 START = VerifyCall("s", 0, [1, 2, 3], TokenTree.empty(), SamplingParams())  # a session's start
@@ -188,3 +189,12 @@ def test_a_worker_dies_with_its_parent():
     wait_until(lambda: not alive(worker), 120, "the worker to end with its parent")
     orphan = subprocess.run([sys.executable, "-c", child.format(parent.pid)], cwd=ROOT, timeout=60)
     assert orphan.returncode == -signal.SIGTERM
+
+
+def test_the_event_loop_is_uvloop_where_installed_and_asyncio_where_not(monkeypatch):
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert run_loop(loop_module()).startswith("uvloop")
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as on a platform without it
+    assert run_loop(loop_module()).startswith("asyncio")
