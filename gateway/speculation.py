@@ -173,7 +173,7 @@ class Speculation(Loop):
         self.lookahead: Lookahead | None = None
         self.suffixes = suffixes  # other requests' outputs, for a hybrid round's n-gram part
         self.local_nodes = 0  # of this round's tree, the nodes of its n-gram part
-        self.suffix = SuffixIndex()  # the history so far, for each round's match length
+        self.suffix = SuffixIndex()  # the history so far (`indexed`): match lengths, lookups
         self.quiet = 0  # rounds left without a draft since the target cut a whole tree
 
     # --- adaptive trees -----------------------------------------------------------------
@@ -215,12 +215,16 @@ class Speculation(Loop):
         if self.drafter != "ngram" or self.options.overlap:
             return 0
         plan = self.state.plan
-        self.suffix.extend(self.history[len(self.suffix) :])
-        kind = self.suffix.match_length()
+        kind = self.indexed().match_length()
         if kind < MAX_NGRAM and self.suffixes is not None and plan.tenant is not None:
             if self.suffixes.continuations(plan.tenant, self.history, 1):
                 kind = MAX_NGRAM
         return kind or None
+
+    def indexed(self) -> SuffixIndex:
+        """The history so far, indexed for prompt lookup (it only grows)."""
+        self.suffix.extend(self.history[len(self.suffix) :])
+        return self.suffix
 
     @property
     def load(self) -> int:
@@ -278,7 +282,7 @@ class Speculation(Loop):
         if self.drafter != "hybrid":
             return TokenTree.empty()
         plan = self.state.plan
-        tree = lookup_tree(self.history, spec, self.suffixes, plan.tenant, HYBRID_MIN_NGRAM)
+        tree = lookup_tree(self.indexed(), spec, self.suffixes, plan.tenant, HYBRID_MIN_NGRAM)
         self.local_nodes = len(tree)
         return tree
 

@@ -7,6 +7,9 @@ import time
 import pytest
 import torch
 
+from workers.draft.ngram import NgramDrafter
+from workers.engine.sessions import SessionTable
+from workers.protocol import ProposeCall, SessionLost, TreeSpec
 from workers.speculation import children, depths, ngram_tree
 from workers.speculation.ngram import SuffixIndex, match_length
 
@@ -53,21 +56,61 @@ def test_the_match_length_is_the_suffix_the_tree_copies_after():
     assert match_length([1, 2, 3, 4]) == match_length([7]) == match_length([]) == 0
 
 
+def reference_matches(
+    history: list[int], most: int, least: int, window: int, limit: int
+) -> tuple[int, list[int]]:
+    """The definition, by brute force: the longest suffix n-gram (most >= n >= least) with
+    an earlier occurrence that starts within the last `window` tokens and is followed by a
+    token; where up to `limit` of them end, most recent first."""
+    size = len(history)
+    for n in range(min(most, size - 1), least - 1, -1):
+        suffix = history[size - n :]
+        ends = [
+            end
+            for end in range(size - 2, n - 2, -1)
+            if history[end - n + 1 : end + 1] == suffix and end - n + 1 >= size - window
+        ]
+        if ends:
+            return n, ends[:limit]
+    return 0, []
+
+
 @pytest.mark.parametrize("vocab,window", [(2, 4096), (3, 5), (5, 30), (20, 2)])
-def test_the_suffix_index_gives_the_match_length_as_the_history_grows(vocab, window):
+def test_the_suffix_index_follows_a_growing_and_shrinking_history(vocab, window):
     gen = torch.Generator().manual_seed(vocab)
     history: list[int] = []
     index = SuffixIndex(window=window)
-    assert index.match_length() == 0
-    for _ in range(150):
-        new = torch.randint(0, vocab, (int(torch.randint(1, 4, ())),), generator=gen).tolist()
-        history += new
-        index.extend(new)
-        assert len(index) == len(history)
+    assert index.match_length() == 0 and index.matches(limit=4) == (0, [])
+    for step in range(200):
+        if step % 7 == 6:  # a guess that ran ahead, dropped
+            keep = max(0, len(history) - int(torch.randint(1, 5, ())))
+            history = history[:keep]
+            index.truncate(keep)
+        else:
+            new = torch.randint(0, vocab, (int(torch.randint(1, 4, ())),), generator=gen).tolist()
+            history += new
+            index.extend(new)
+        assert index.tokens == history
         for most in (1, 2, 3):
             for least in range(1, most + 1):
-                expected = match_length(history, most, least, window)
-                assert index.match_length(most, least) == expected
+                for limit in (1, 3, 8):
+                    expected = reference_matches(history, most, least, window, limit)
+                    assert index.matches(most, least, limit) == expected
+                assert index.match_length(most, least) == expected[0]
+                assert match_length(history, most, least, window) == expected[0]
+    index.truncate(0)
+    assert index.ends == {} and len(index) == 0
+
+
+def test_a_tree_from_an_index_is_the_tree_from_its_history():
+    gen = torch.Generator().manual_seed(3)
+    history = torch.randint(0, 6, (300,), generator=gen).tolist()
+    index = SuffixIndex()
+    for at in range(0, 300, 7):
+        index.extend(history[len(index) : at])
+        for kwargs in ({}, {"max_ngram": 2, "depth": 3, "budget": 5}, {"chain": True}):
+            from_index, from_list = ngram_tree(index, **kwargs), ngram_tree(history[:at], **kwargs)
+            assert as_lists(from_index) == as_lists(from_list)
 
 
 def test_no_match_and_degenerate_inputs_give_empty_tree():
@@ -120,3 +163,35 @@ def test_fast_on_long_histories():
     for i in range(50):
         ngram_tree(history[: 7000 + i])
     assert (time.perf_counter() - start) / 50 < 0.02
+
+
+def test_the_drafters_index_follows_each_sessions_history():
+    """Its trees are prompt lookup over the session's history as the calls leave it: grown,
+    a guess dropped and replaced (overlap), restarted, evicted and restarted, ended."""
+    drafter = NgramDrafter(SessionTable(2))
+    spec = TreeSpec(depth=3, budget=6)
+    gen = torch.Generator().manual_seed(5)
+    held = {"a": [], "b": [], "c": []}
+
+    def propose(session: str, base: int, tokens: list[int]) -> None:
+        (tree,) = drafter.propose([ProposeCall(session, base, tokens, spec)])
+        if isinstance(tree, SessionLost):  # evicted: the caller re-sends the history
+            base, tokens = 0, held[session][:base] + tokens
+            (tree,) = drafter.propose([ProposeCall(session, 0, tokens, spec)])
+        held[session] = held[session][:base] + tokens
+        assert drafter.indexes[session].tokens == held[session]
+        expected = ngram_tree(held[session], depth=3, budget=6)
+        assert as_lists(tree) == as_lists(expected)
+
+    for step in range(90):
+        session = "c" if step % 9 == 8 else "ab"[step % 2]  # c evicts a or b now and then
+        new = torch.randint(0, 5, (int(torch.randint(1, 6, ())),), generator=gen).tolist()
+        base = len(held[session])
+        if step % 5 == 4:
+            base = max(0, base - 2)  # the last two tokens were a guess
+        if step % 11 == 10:
+            base, new = 0, held[session][:3] + new  # restarted from a history
+        propose(session, base, new)
+        assert len(drafter.indexes) <= 3
+    drafter.end("a")
+    assert "a" not in drafter.indexes

@@ -8,12 +8,10 @@ answers the same `propose(calls) -> [TokenTree | Exception]` as
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from workers.draft.suffix import SuffixCache
 from workers.engine.sessions import SessionTable
 from workers.protocol import ProposeCall, TreeSpec, WorkerInfo
-from workers.speculation.ngram import ngram_tree
+from workers.speculation.ngram import SuffixIndex, ngram_tree
 from workers.speculation.tree import TokenTree, check_tokens
 
 # The shortest suffix the drafter copies after by default. A one-token match is right
@@ -25,21 +23,21 @@ MIN_MATCH = 1
 
 
 def lookup_tree(
-    history: Sequence[int],
+    history: SuffixIndex,
     spec: TreeSpec,
     suffixes: SuffixCache | None,
     tenant: str | None,
     min_ngram: int,
 ) -> TokenTree:
-    """The n-gram drafter's tree within `spec` after `history`: prompt lookup after a
-    suffix of `min_ngram` tokens or more, plus the tenant's cached outputs when there is a
-    suffix cache and a tenant (None: a request that neither reads nor feeds it). Also the
-    n-gram part of a hybrid round (gateway/speculation.py)."""
+    """The n-gram drafter's tree within `spec` after `history` (the session's index of
+    it): prompt lookup after a suffix of `min_ngram` tokens or more, plus the tenant's
+    cached outputs when there is a suffix cache and a tenant (None: a request that neither
+    reads nor feeds it). Also the n-gram part of a hybrid round (gateway/speculation.py)."""
     if spec.depth == 0 or spec.budget == 0:
         return TokenTree.empty()
     shared = []
     if suffixes is not None and tenant is not None:
-        shared = suffixes.continuations(tenant, history, spec.depth)
+        shared = suffixes.continuations(tenant, history.tokens, spec.depth)
     return ngram_tree(
         history,
         min_ngram=min_ngram,
@@ -66,6 +64,22 @@ class NgramDrafter:
         self.vocab_size = vocab_size
         self.suffixes = suffixes  # None: the session's own history only
         self.min_match = min_match
+        self.indexes: dict[str, SuffixIndex] = {}  # each held session's history, indexed
+
+    def index(self, session_id: str, history: list[int], base_len: int) -> SuffixIndex:
+        """The session's index, brought to its history after a call from `base_len`: built
+        anew when the session (re)started, cut back to `base_len` (past it the call may
+        have replaced a guess that ran ahead), extended with the rest. Indexes of sessions
+        the table no longer holds go once there are more than its slots."""
+        index = self.indexes.get(session_id)
+        if index is None or base_len == 0:
+            index = self.indexes[session_id] = SuffixIndex()
+        index.truncate(base_len)
+        index.extend(history[len(index) :])
+        if len(self.indexes) > self.table.num_slots:
+            for gone in [s for s in self.indexes if s not in self.table.sessions]:
+                del self.indexes[gone]
+        return index
 
     def propose(self, calls: list[ProposeCall]) -> list[TokenTree | Exception]:
         results: list[TokenTree | Exception] = []
@@ -74,7 +88,7 @@ class NgramDrafter:
                 if self.vocab_size is not None:
                     check_tokens(call.tokens, self.vocab_size)
                 synced = self.table.sync(call.session_id, call.base_len, call.tokens, rollback=True)
-                history = synced.session.committed
+                history = self.index(call.session_id, synced.session.committed, call.base_len)
                 results.append(
                     lookup_tree(history, call.spec, self.suffixes, call.tenant, self.min_match)
                 )
@@ -83,6 +97,7 @@ class NgramDrafter:
         return results
 
     def end(self, session_id: str) -> bool:
+        self.indexes.pop(session_id, None)
         return self.table.end(session_id)
 
     def info(self) -> WorkerInfo:

@@ -35,71 +35,97 @@ COPY_PROB = 0.8  # chance that a copied run goes on for one more token
 SHARED_WEIGHT = 0.5  # vote of another request's continuation relative to the session's own
 
 
-def _longest_match(history: list[int], max_ngram: int, min_ngram: int) -> tuple[int, list[int]]:
-    """The longest suffix n-gram that occurred before, and where those occurrences end.
-
-    n runs from max_ngram down to min_ngram and stops at the first n with a
-    match; (0, []) when none has. Occurrences are listed most recent first and
-    must be followed by at least one token (so the suffix itself never
-    matches). O(len(history)).
-    """
-    if len(history) < 2:
-        return 0, []
-    last = history[-1]
-    # end positions of candidate occurrences, most recent first
-    ends = [e for e in range(len(history) - 2, -1, -1) if history[e] == last]
-    for n in range(max_ngram, min_ngram - 1, -1):
-        suffix = history[-n:]
-        found = [e for e in ends if e >= n - 1 and history[e - n + 1 : e + 1] == suffix]
-        if found:
-            return n, found
-    return 0, []
-
-
-def match_length(
-    history: Sequence[int], max_ngram: int = MAX_NGRAM, min_ngram: int = 1, window: int = WINDOW
-) -> int:
-    """The n of the suffix `ngram_tree` copies after (0: no match): a long match predicts a
-    copied run far better than a one-token one (`specsplit bench ceiling` counts both)."""
-    return _longest_match(list(history[-window:]), max_ngram, min_ngram)[0]
-
-
 class SuffixIndex:
-    """`match_length` of a growing history at O(max_ngram) a token: where each n-gram (n <=
-    max_ngram) last ended, once a token followed it. The gateway asks every round of every
-    session what its lookup would match; a scan of the history costs O(len(history))."""
+    """Where each n-gram (n <= max_ngram) of a growing history ended, once a token followed
+    it: prompt lookup's matches at O(max_ngram) a token appended and O(max_ngram + matches)
+    a lookup, where a scan of the history costs O(len(history)) every round (14 / 45 µs at
+    300 / 1,500 tokens here). An occurrence counts while it starts within the last `window`
+    tokens. The n-gram drafter keeps one per session, the gateway one per session for each
+    round's match length."""
 
     def __init__(self, max_ngram: int = MAX_NGRAM, window: int = WINDOW):
         self.max_ngram = max_ngram
         self.window = window
         self.tokens: list[int] = []
-        self.last_end: dict[tuple[int, ...], int] = {}  # n-gram -> where it last ended
+        self.ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> where it ended, in order
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Appends tokens: the n-grams ending before each now have a token after them."""
-        history, last_end = self.tokens, self.last_end
+        history, ends = self.tokens, self.ends
         for token in tokens:
             end = len(history) - 1
             for n in range(1, min(self.max_ngram, end + 1) + 1):
-                last_end[tuple(history[end - n + 1 :])] = end
+                key = tuple(history[end - n + 1 :])
+                found = ends.get(key)
+                if found is None:
+                    ends[key] = [end]
+                else:
+                    found.append(end)
             history.append(token)
 
-    def match_length(self, max_ngram: int | None = None, min_ngram: int = 1) -> int:
-        """What `match_length(history, max_ngram, min_ngram, window)` gives."""
+    def truncate(self, size: int) -> None:
+        """Drops the tokens past `size` (a draft's history that ran ahead on a guess)."""
+        history, ends = self.tokens, self.ends
+        while len(history) > size:
+            history.pop()
+            end = len(history) - 1  # the n-grams that ended here lose their next token
+            for n in range(1, min(self.max_ngram, end + 1) + 1):
+                key = tuple(history[end - n + 1 :])
+                found = ends[key]
+                found.pop()  # the latest end: later ones were dropped first
+                if not found:
+                    del ends[key]
+
+    def matches(
+        self, max_ngram: int | None = None, min_ngram: int = 1, limit: int = 1
+    ) -> tuple[int, list[int]]:
+        """The longest suffix n-gram, n from max_ngram down to min_ngram, that occurred
+        before within the window, and where up to `limit` of those occurrences end (each
+        followed by a token, so the suffix itself never matches), most recent first; (0,
+        []) when none has."""
         history, size = self.tokens, len(self.tokens)
         longest = min(max_ngram or self.max_ngram, self.max_ngram, size - 1)
         for n in range(longest, min_ngram - 1, -1):
-            end = self.last_end.get(tuple(history[size - n :]))
-            if end is not None and end - n + 1 >= size - self.window:
-                return n
-        return 0
+            found = self.ends.get(tuple(history[size - n :]), ())
+            first = size - self.window + n - 1  # the earliest end of an occurrence in the window
+            recent = []
+            for end in reversed(found):
+                if end < first or len(recent) == limit:
+                    break
+                recent.append(end)
+            if recent:
+                return n, recent
+        return 0, []
+
+    def match_length(self, max_ngram: int | None = None, min_ngram: int = 1) -> int:
+        """The n of the suffix `ngram_tree` copies after (0: no match): a long match predicts
+        a copied run far better than a one-token one (`specsplit bench ceiling` counts
+        both)."""
+        return self.matches(max_ngram, min_ngram)[0]
+
+
+def index_of(
+    history: Sequence[int] | torch.Tensor, max_ngram: int = MAX_NGRAM, window: int = WINDOW
+) -> SuffixIndex:
+    """A SuffixIndex over the last `window` tokens of `history`."""
+    tokens = history.tolist() if isinstance(history, torch.Tensor) else list(history)
+    index = SuffixIndex(max_ngram, window)
+    index.extend(tokens[-window:])
+    return index
+
+
+def match_length(
+    history: Sequence[int], max_ngram: int = MAX_NGRAM, min_ngram: int = 1, window: int = WINDOW
+) -> int:
+    """`SuffixIndex.match_length` of a whole history at once."""
+    return index_of(history, max_ngram, window).match_length(max_ngram, min_ngram)
 
 
 def ngram_tree(
-    history: Sequence[int] | torch.Tensor,
+    history: SuffixIndex | Sequence[int] | torch.Tensor,
     max_ngram: int = MAX_NGRAM,
     min_ngram: int = 1,
     depth: int = 8,
@@ -110,6 +136,10 @@ def ngram_tree(
     shared: Sequence[Sequence[int]] = (),
 ) -> TokenTree:
     """Draft tree from up to ``max_matches`` earlier continuations of the history's suffix.
+
+    ``history``: the tokens, or a SuffixIndex of them (a drafter keeps one per session,
+    so a round costs no scan of the history; its own max_ngram and window then bound
+    the match, and ``window`` is not read).
 
     Rules:
     - match the longest suffix n-gram, n from max_ngram down to min_ngram, in
@@ -136,12 +166,11 @@ def ngram_tree(
             "need depth >= 1, budget >= 0, max_matches >= 1, window >= 2; got "
             f"depth={depth} budget={budget} max_matches={max_matches} window={window}"
         )
-    hist = history.tolist() if isinstance(history, torch.Tensor) else list(history)
-    hist = hist[-window:]
     if budget == 0:
         return TokenTree.empty()
-    _, ends = _longest_match(hist, max_ngram, min_ngram)
-    own = [hist[e + 1 : e + 1 + depth] for e in ends[:max_matches]]
+    index = history if isinstance(history, SuffixIndex) else index_of(history, max_ngram, window)
+    _, ends = index.matches(max_ngram, min_ngram, max_matches)
+    own = [index.tokens[e + 1 : e + 1 + depth] for e in ends]
     voted = [(cont, RECENCY_DECAY**rank) for rank, cont in enumerate(own)]
     voted += [
         (list(cont[:depth]), SHARED_WEIGHT * RECENCY_DECAY**rank)

@@ -30,7 +30,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings
 
 from workers.settings import EMBEDDED_MODEL, settings_config
-from workers.speculation.ngram import MAX_NGRAM, match_length, ngram_tree
+from workers.speculation.ngram import MAX_NGRAM, SuffixIndex, ngram_tree
 from workers.speculation.tree import TokenTree
 from workers.tools.bench.report import publish
 from workers.tools.bench.workloads import messages
@@ -65,13 +65,15 @@ def accepted(tree: TokenTree, truth: list[int]) -> int:
 def replay_tau(texts: list[tuple[list[int], list[int]]], draft) -> float:
     """Tokens per round when each round emits the accepted draft plus the bonus token.
 
-    texts: (prompt, greedy output) pairs; draft(history) -> TokenTree."""
+    texts: (prompt, greedy output) pairs; draft(history) -> TokenTree, the history as a
+    SuffixIndex."""
     rounds = emitted = 0
     for prompt, output in texts:
-        history, at = list(prompt), 0
+        history, at = SuffixIndex(), 0
+        history.extend(prompt)
         while at < len(output):
             step = min(accepted(draft(history), output[at:]) + 1, len(output) - at)
-            history += output[at : at + step]
+            history.extend(output[at : at + step])
             at += step
             rounds += 1
             emitted += step
@@ -84,10 +86,12 @@ def by_match(texts: list[tuple[list[int], list[int]]], depth: int) -> list[tuple
     position of every output."""
     counts = [[0, 0, 0] for _ in range(MAX_NGRAM + 1)]
     for prompt, output in texts:
+        history = SuffixIndex()
+        history.extend(prompt)
         for at in range(len(output)):
-            history = prompt + output[:at]
             tree = ngram_tree(history, depth=depth, budget=depth, chain=True)
-            n, got = match_length(history), accepted(tree, output[at:])
+            n, got = history.match_length(), accepted(tree, output[at:])
+            history.extend(output[at : at + 1])
             counts[n][0] += 1
             counts[n][1] += got > 0
             counts[n][2] += got
