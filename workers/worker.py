@@ -246,9 +246,8 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
     """Runs `main` to its end on uvloop's event loop (libuv), where uvloop is installed (a
     dependency wherever it builds), else on asyncio's own. A process's loop carries every
     HTTP request, SSE event and gRPC message it handles; on uvloop, with uvicorn's httptools
-    parser, speculation off served 2-9% more chat tokens a second at 8 and 32 streams on a
-    2-core VM, its gateway spending 0.20-0.31 ms of CPU a token against 0.24-0.41
-    (bench/RESULTS.md)."""
+    parser, the gateway spent about a tenth less CPU a token at one stream on a 2-core VM,
+    and no more anywhere (bench/RESULTS.md, "The gateway's own work")."""
     try:
         import uvloop
     except ImportError:
