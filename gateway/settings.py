@@ -128,7 +128,7 @@ class GatewayOptions(BaseSettings):
     @property
     def loop_options(self) -> LoopOptions:
         adaptive = AdaptiveConfig(self.adaptive_knee_tokens) if self.adaptive_tree else None
-        return LoopOptions(adaptive, self.overlap_draft, self.hybrid_draft)
+        return LoopOptions(adaptive, self.overlap_draft, self.hybrid_draft, self.ngram_min_match)
 
     def suffix_cache(self) -> SuffixCache | None:
         """A fresh suffix cache, or None when it is off."""

@@ -39,11 +39,12 @@ from gateway.hangs import Hung
 from gateway.metrics import Metrics
 from gateway.overlap import Lookahead
 from gateway.pool import Pool, Router, Worker, prompt_blocks
-from workers.draft.ngram import lookup_tree
+from workers.draft.ngram import MIN_MATCH, lookup_tree
 from workers.draft.suffix import SuffixCache
 from workers.engine.sessions import common_prefix
 from workers.loop import Loop, LoopState, Plan, Round
 from workers.loop.driver import ATTEMPTS
+from workers.loop.inprocess import LOCAL_NGRAM
 from workers.protocol import (
     InvalidCall,
     Role,
@@ -68,6 +69,8 @@ class LoopOptions:
     # merge the gateway's n-gram tree into a model or feature draft's each round; a
     # look-ahead tree (overlap) stays the model's alone
     hybrid: bool = False
+    # the shortest suffix the gateway's own n-gram draft copies after (its drafter's)
+    ngram_min_match: int = MIN_MATCH
 
 
 # the shortest match a hybrid round's n-gram part copies after: a one-token match is
@@ -269,6 +272,19 @@ class Speculation(Loop):
             return ready, False
         self.counters.lookahead_misses += 1
         return await self.propose()
+
+    async def draft_tree(self, spec: TreeSpec) -> tuple[TokenTree, bool]:
+        """The gateway's own n-gram draft looks its tree up in this loop's index of the
+        history (kept for the rounds' match lengths) rather than through its in-process
+        drafter, which would hold and index the history a second time (a few hundred µs
+        a session at its first propose) for the same tree; any other draft is asked."""
+        worker = self.draft.worker
+        if worker is None or worker.address != LOCAL_NGRAM:
+            return await super().draft_tree(spec)
+        plan = self.state.plan
+        index = self.indexed()
+        min_match = self.options.ngram_min_match
+        return lookup_tree(index, spec, self.suffixes, plan.tenant, min_match), False
 
     # --- hybrid trees ------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from openai import OpenAI
 
 from tests.gateway.helpers import MODEL, live, load_engine, model_draft
 from workers.engine.sessions import SessionTable
-from workers.loop.inprocess import InProcessTarget
+from workers.loop.inprocess import LOCAL_NGRAM, InProcessTarget
 from workers.speculation.acceptance import EXACT, AcceptanceRule
 from workers.speculation.tree import depths
 from workers.target.runner import TargetRunner
@@ -197,3 +197,19 @@ def test_without_a_draft_auto_is_off_and_draft_is_a_400(tiny_dir):
             chat(sdk(gateway), {"method": "ngram"}).model_extra["speculation_stats"]["draft_tokens"]
             > 0
         )
+
+
+def test_the_gateways_own_ngram_draft_looks_up_the_loops_own_index(tiny_dir):
+    """The default draft's trees come from the index of the history each loop keeps for its
+    rounds' match lengths: the in-process drafter, which would hold and index the history
+    a second time, is never asked, and the text is the target's."""
+    with live(tiny_dir, [recording_target(tiny_dir)]) as gateway:
+        drafter = gateway.gateway.router.drafts.workers[LOCAL_NGRAM].backend.drafter
+        asked = []
+        drafter.propose = asked.append
+        auto = chat(sdk(gateway))
+        stats = auto.model_extra["speculation_stats"]
+        assert stats["method"] == "ngram" and stats["draft_tokens"] > 0
+        assert stats["degraded_rounds"] == 0 and asked == []
+        off = chat(sdk(gateway), {"method": "off"})
+        assert auto.choices[0].message.content == off.choices[0].message.content

@@ -11,7 +11,7 @@ from workers.draft.ngram import NgramDrafter
 from workers.engine.sessions import SessionTable
 from workers.protocol import ProposeCall, SessionLost, TreeSpec
 from workers.speculation import children, depths, ngram_tree
-from workers.speculation.ngram import SuffixIndex, match_length
+from workers.speculation.ngram import BULK, SuffixIndex, match_length
 
 
 def as_lists(tree) -> tuple[list[int], list[int]]:
@@ -87,7 +87,10 @@ def test_the_suffix_index_follows_a_growing_and_shrinking_history(vocab, window)
             history = history[:keep]
             index.truncate(keep)
         else:
-            new = torch.randint(0, vocab, (int(torch.randint(1, 4, ())),), generator=gen).tolist()
+            # a round's one to three tokens; every tenth step a run longer than BULK (a
+            # prompt, a re-sent history), which the index takes n by n
+            size = torch.randint(1, 4, ()) if step % 10 else torch.randint(BULK + 1, 3 * BULK, ())
+            new = torch.randint(0, vocab, (int(size),), generator=gen).tolist()
             history += new
             index.extend(new)
         assert index.tokens == history

@@ -11,7 +11,9 @@ Uses:
   tests run the one loop over a target runner and a drafter in-process;
 - the gateway's own n-gram draft (`local_ngram_draft`): prompt lookup needs
   only the history the gateway already owns, so running it there saves a
-  network hop per round and a process to deploy;
+  network hop per round and a process to deploy (the gateway's loop looks
+  its trees up in the index it keeps of that history, `LOCAL_NGRAM`; the
+  drafter stands in the draft pool and answers `specsplit generate`'s loop);
 - gateway tests: tiny models behind the real gateway, with `stop()` to
   simulate a worker dying mid-generation.
 
@@ -147,13 +149,16 @@ class InProcessDraft(InProcessWorker):
         return await self.run(self.drafter.info)
 
 
+LOCAL_NGRAM = "gateway:ngram"  # the address of the gateway's own n-gram draft
+
+
 def local_ngram_draft(
     max_sessions: int, suffixes: SuffixCache | None = None, min_match: int = MIN_MATCH
 ) -> InProcessDraft:
     """The in-gateway prompt-lookup draft: no thread, no model, no network hop; with a
     suffix cache it also drafts from each tenant's earlier outputs."""
     drafter = NgramDrafter(SessionTable(max_sessions), suffixes=suffixes, min_match=min_match)
-    return InProcessDraft("gateway:ngram", drafter, threaded=False)
+    return InProcessDraft(LOCAL_NGRAM, drafter, threaded=False)
 
 
 class InProcessFactory:
