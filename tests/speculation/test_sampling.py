@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from workers.speculation import SamplingParams, make_generator, sample, target_probs
-from workers.speculation.sampling import tempered
+from workers.speculation.sampling import first_argmax, tempered
 
 
 def reference_probs(logits: list[float], params: SamplingParams) -> list[float]:
@@ -133,3 +133,15 @@ def test_a_tiny_temperature_gives_the_argmax_not_nan():
     logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, -1.0, float("-inf")]])
     probs = torch.softmax(tempered(logits, 5e-324), dim=-1)
     assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+
+
+def test_first_argmax_is_torchs_argmax_ties_masks_and_nans_included():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 5, (7, 300), generator=gen).float()  # many ties for the largest
+    x[1, :150] = float("-inf")  # a masked half
+    x[2, 10] = x[2, 40] = float("nan")  # NaN counts as the largest, the first one wins
+    x[3] = float("-inf")
+    x[3, 299] = 0.0
+    for logits in (x, x[2:5], x.t().contiguous().t(), x[:, ::2], x[0], x.bfloat16()):
+        assert torch.equal(first_argmax(logits), logits.argmax(dim=-1))
+    assert first_argmax(x).dtype == torch.long

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from workers.speculation.acceptance import EXACT, AcceptanceRule, judging_probs, likely_enough
-from workers.speculation.sampling import SamplingParams, sample, target_probs, uniform
+from workers.speculation.sampling import (
+    SamplingParams,
+    first_argmax,
+    sample,
+    target_probs,
+    uniform,
+)
 from workers.speculation.tree import TokenTree, children, leaf_paths, validate_tree
 
 # A residual with less mass than this is float noise around "p == q"; a
@@ -56,7 +62,9 @@ def greedy_verify(tree: TokenTree, logits: torch.Tensor) -> Verdict:
     the root when none is).
     """
     _check_logits(tree, logits)
-    best = logits.argmax(dim=-1).cpu()  # (N+1,) target choice after root / after node i
+    best = first_argmax(logits)  # (N+1,) target choice after root / after node i
+    if not len(tree):  # no draft (speculation off, or not worth it this round)
+        return Verdict(accepted=[], bonus=int(best[0]))
     tokens, parents = tree.tokens.cpu(), tree.parents.cpu()  # (N,), (N,)
     accepted = _longest_path(tree, tokens == best[parents + 1])  # node token == its argmax
     bonus_row = accepted[-1] + 1 if accepted else 0
@@ -66,16 +74,15 @@ def greedy_verify(tree: TokenTree, logits: torch.Tensor) -> Verdict:
 def _longest_path(tree: TokenTree, match: torch.Tensor) -> list[int]:
     """The longest root-to-node path whose nodes all `match` (N,) bool; on equal length the
     first leaf path in depth-first order."""
-    paths = leaf_paths(tree.parents)
-    if not paths:
-        return []
-    width = max(len(p) for p in paths)
-    padded = torch.tensor([p + [-1] * (width - len(p)) for p in paths])  # (L, D) -1 = pad
-    on_path = padded >= 0  # (L, D)
-    path_match = match[padded.clamp(min=0)] & on_path  # (L, D)
-    accepted_len = path_match.long().cumprod(dim=1).sum(dim=1)  # (L,)
-    leaf = int(accepted_len.argmax())  # first longest
-    return paths[leaf][: int(accepted_len[leaf])]
+    ok = match.tolist()  # a few dozen nodes: a walk in Python, no tensor ops per round
+    best: list[int] = []
+    for path in leaf_paths(tree.parents):
+        n = 0
+        while n < len(path) and ok[path[n]]:
+            n += 1
+        if n > len(best):  # strictly longer: the first leaf path keeps a tie
+            best = path[:n]
+    return best
 
 
 def lossy_verify(
@@ -92,11 +99,12 @@ def lossy_verify(
     probs = judging_probs(logits, params)  # (N+1, V)
     tokens, parents = tree.tokens.cpu(), tree.parents.cpu()  # (N,), (N,)
     rows = parents + 1  # (N,) the row that judges node i: after its parent
-    match = (tokens == logits.argmax(dim=-1)[rows]) | likely_enough(rule, probs, tokens, rows)
+    best = first_argmax(logits)  # (N+1,)
+    match = (tokens == best[rows]) | likely_enough(rule, probs, tokens, rows)
     accepted = _longest_path(tree, match)  # (N,) bool in, node indices out
     row = accepted[-1] + 1 if accepted else 0
     if params.greedy:
-        return Verdict(accepted=accepted, bonus=int(logits[row].argmax()))
+        return Verdict(accepted=accepted, bonus=int(best[row]))
     if generator is None:
         raise ValueError("sampled verification needs the request's generator")
     return Verdict(accepted=accepted, bonus=sample(probs[row], generator))

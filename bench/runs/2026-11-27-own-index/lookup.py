@@ -52,7 +52,8 @@ def main() -> None:
             for name in ("drafter", "own index"):
                 drafter = NgramDrafter(SessionTable(4)) if name == "drafter" else None
                 first, after = run(text, prompt_len, drafter)
-                print(f"{prompt_len} {turn} {name:9} first {first:7.1f} µs, then {after:5.1f} µs a round")
+                figures = f"first {first:7.1f} µs, then {after:5.1f} µs a round"
+                print(f"{prompt_len} {turn} {name:9} {figures}")
 
 
 if __name__ == "__main__":
