@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from workers.speculation import SamplingParams, make_generator, sample, target_probs
-from workers.speculation.sampling import first_argmax, tempered
+from workers.speculation.sampling import first_argmax, tempered, top_p_mask
 
 
 def reference_probs(logits: list[float], params: SamplingParams) -> list[float]:
@@ -145,3 +145,32 @@ def test_first_argmax_is_torchs_argmax_ties_masks_and_nans_included():
     for logits in (x, x[2:5], x.t().contiguous().t(), x[:, ::2], x[0], x.bfloat16()):
         assert torch.equal(first_argmax(logits), logits.argmax(dim=-1))
     assert first_argmax(x).dtype == torch.long
+
+
+def top_p_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The rule by its definition: sort every token, keep those whose mass before is below."""
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    keep_sorted = sorted_p.cumsum(dim=-1) - sorted_p < top_p
+    keep_sorted[..., 0] = True
+    return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+
+
+@pytest.mark.parametrize("vocab", [300, 5000, 49152])
+def test_top_p_keeps_the_set_a_full_sort_keeps_bit_for_bit(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen)
+    logits[0] *= 12  # peaked: a handful of tokens hold the mass
+    logits[1] *= 0.2  # flat: thousands, past every candidate count
+    logits[2] = (logits[2] * 2).round()  # ties everywhere, at the boundary too
+    logits[3, vocab // 2 :] = float("-inf")  # a masked half
+    logits[4] = logits[4] * 5 - 40 * (torch.arange(vocab) % 7 == 0)
+    logits[5] = -20.0  # 100 tokens tied at the top, past the first candidate count: top_p
+    logits[5, torch.randperm(vocab, generator=gen)[:100]] = 5.0  # cuts into them by id
+    probs = torch.softmax(logits, dim=-1)
+    for top_p in (1e-9, 0.3, 0.9, 0.95, 0.999999):
+        expected = top_p_by_full_sort(probs, top_p)
+        assert torch.equal(top_p_mask(probs, top_p), expected)
+        assert torch.equal(top_p_mask(probs[2], top_p), expected[2])
+        assert torch.equal(
+            top_p_mask(probs.reshape(2, 3, vocab), top_p), expected.reshape(2, 3, -1)
+        )
