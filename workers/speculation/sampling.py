@@ -46,6 +46,16 @@ def first_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1).cpu()
 
 
+def row_max(x: torch.Tensor) -> torch.Tensor:
+    """(..., V) float32 -> (...,) on the CPU: each row's largest entry, NaN where it has one
+    (both numpy's max and torch's amax propagate NaN). Through numpy on the CPU: one pass,
+    where checking for NaN, +inf and a finite entry with torch's ops took four (205 µs a
+    row of 49,152 on one thread, against about 10)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.as_tensor(x.numpy().max(axis=-1))
+    return x.amax(dim=-1).cpu()
+
+
 def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Logits (..., V) float32 divided by a temperature > 0, the likeliest shifted to 0, so a
     tiny temperature sends the others to -inf instead of making NaN."""
@@ -67,9 +77,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
     x = logits.float()  # (..., V)
-    if (x.isnan() | (x == float("inf"))).any():
+    top = row_max(x)  # (...,) NaN where a row has one
+    if (top.isnan() | (top == float("inf"))).any():
         raise ValueError("logits contain NaN or +inf")
-    if not torch.isfinite(x).any(dim=-1).all():
+    if (top == float("-inf")).any():
         raise ValueError("a row of logits has no finite entry")
 
     if params.greedy:
@@ -172,7 +183,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     p = probs.detach().to(device="cpu", dtype=torch.float64)  # (V,)
     cdf = p.cumsum(dim=0)  # (V,)
     total = float(cdf[-1])
-    if not 0 < total < float("inf") or bool((p < 0).any()):  # also catches NaN
+    if not 0 < total < float("inf") or p.numpy().min() < 0:  # NaN: total is NaN
         raise ValueError(f"probs must be finite, non-negative, with positive mass (sum {total})")
     x = torch.tensor([uniform(generator) * total], dtype=torch.float64)  # (1,)
     i = int(torch.searchsorted(cdf, x, right=True))  # first index with cdf > x
