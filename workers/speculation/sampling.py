@@ -6,6 +6,7 @@ Plain sampling and speculative verification both call :func:`target_probs`, so
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -77,10 +78,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
     x = logits.float()  # (..., V)
-    top = row_max(x)  # (...,) NaN where a row has one
-    if (top.isnan() | (top == float("inf"))).any():
+    tops = row_max(x).reshape(-1).tolist()  # each row's largest, NaN where it has one
+    if any(math.isnan(top) or top == math.inf for top in tops):
         raise ValueError("logits contain NaN or +inf")
-    if (top == float("-inf")).any():
+    if -math.inf in tops:
         raise ValueError("a row of logits has no finite entry")
 
     if params.greedy:
