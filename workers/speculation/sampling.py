@@ -40,10 +40,10 @@ class SamplingParams:
 def first_argmax(logits: torch.Tensor) -> torch.Tensor:
     """(..., V) -> (...,) long on the CPU: each row's first largest entry (NaN counting as
     largest), as torch.argmax. For float32 on the CPU through numpy, whose argmax is
-    vectorised: one row of 49,152 in 3 µs against torch's 85 on one thread (bench/RESULTS.md),
-    and every target round takes one per node and one after the root."""
+    vectorised: one row of 49,152 in 3-6 µs against torch's 43-85 on one thread
+    (bench/RESULTS.md), and every target round takes one per node and one after the root."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return torch.as_tensor(logits.numpy().argmax(axis=-1))  # a 0-d result too
+        return torch.as_tensor(logits.detach().numpy().argmax(axis=-1))  # a 0-d result too
     return logits.argmax(dim=-1).cpu()
 
 
@@ -53,7 +53,7 @@ def row_max(x: torch.Tensor) -> torch.Tensor:
     where checking for NaN, +inf and a finite entry with torch's ops took four (205 µs a
     row of 49,152 on one thread, against about 10)."""
     if x.device.type == "cpu" and x.dtype == torch.float32:
-        return torch.as_tensor(x.numpy().max(axis=-1))
+        return torch.as_tensor(x.detach().numpy().max(axis=-1))
     return x.amax(dim=-1).cpu()
 
 

@@ -54,12 +54,12 @@ def greedy_verify(tree: TokenTree, logits: torch.Tensor) -> Verdict:
     """Longest draft path that the target's argmax agrees with, then the argmax after it.
 
     A node is accepted iff its token equals the target argmax at its parent
-    and its parent is accepted. Medusa's form: the cumulative product of
-    matches along every leaf path gives its accepted length; the longest
-    wins, and on equal length the first leaf path in depth-first order (that
-    is, through elder siblings, which only matters for identical-token
-    siblings). The bonus is the argmax after the last accepted node (after
-    the root when none is).
+    and its parent is accepted. Medusa's form: the matches along every leaf
+    path, up to its first miss, give its accepted length; the longest wins,
+    and on equal length the first leaf path in depth-first order (that is,
+    through elder siblings, which only matters for identical-token siblings).
+    The bonus is the argmax after the last accepted node (after the root when
+    none is).
     """
     _check_logits(tree, logits)
     best = first_argmax(logits)  # (N+1,) target choice after root / after node i
