@@ -106,7 +106,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 # 2-14, at most 492 over 80 positions)
 TOP_P_CANDIDATES = (64, 1024)
 # how far past top_p the candidates' mass must reach to settle every other token's fate,
-# against float32 rounding of the running sums
+# against float32 rounding (its sum and the full sort's running sums round differently)
 TOP_P_MARGIN = 1e-5
 
 
@@ -114,43 +114,48 @@ def top_p_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """(..., V) -> (..., V) bool: the smallest set of most likely tokens whose mass reaches
     top_p, at least one; among equal probabilities the lower id first.
 
-    The rule: sort a row by probability (stable, so ties keep id order) and keep each
-    token whose mass before it (the running float32 sum, less its own) is below top_p.
-    Sorting all 49,152 tokens costs 4-6 ms a row on one thread; the set is rarely more
-    than a few hundred, so each row first takes its k most likely tokens (with every token
-    tied with the k-th) and sorts only those: the running sums of a sorted prefix are the
-    full sort's (one sum after another, in the same order), and once the candidates' mass
-    reaches top_p with a margin, every other token would have been dropped. The same set
-    as sorting the whole row, bit for bit; a row whose candidates fall short is sorted whole.
+    The rule (`_top_p_sorted`): sort a row by probability (stable, so ties keep id order)
+    and keep each token whose mass before it (the running float32 sum, less its own) is
+    below top_p. Sorting all 49,152 tokens costs 4-6 ms a row on one CPU thread; the set is
+    rarely more than a few hundred, so on the CPU each row first takes its k most likely
+    tokens (with every token tied with the k-th) and sorts only those: the running sums of
+    a sorted prefix are the full sort's (one sum after another, in the same order), and
+    once the candidates' mass reaches top_p with a margin, every other token would have
+    been dropped. The same set as sorting the whole row, bit for bit; a row whose
+    candidates fall short is sorted whole. Elsewhere (a GPU) the rows are sorted whole in
+    one batched call, cheaper there than a few small calls and a sync per row.
     """
+    if probs.device.type != "cpu":
+        return _top_p_whole(probs, top_p)
     v = probs.shape[-1]
     rows = probs.reshape(-1, v)  # (R, V)
     keep = torch.zeros_like(rows, dtype=torch.bool)  # (R, V)
     for r, row in enumerate(rows):
-        kept = None  # (K,) the ids kept, once known
         for k in (k for k in TOP_P_CANDIDATES if k < v):
             kth = row.topk(k).values[-1]
             ids = (row >= kth).nonzero().squeeze(1)  # (C,) C >= k, in id order
-            among = _top_p_sorted(row[ids], top_p, settled=True)
-            if among is not None:
-                kept = ids[among]
+            sorted_p, order = row[ids].sort(descending=True, stable=True)  # (C,) x2
+            if float(sorted_p.sum()) >= top_p + TOP_P_MARGIN:  # no other token could count
+                keep[r, ids[order[_top_p_sorted(sorted_p, top_p)]]] = True
                 break
-        if kept is None:
-            kept = _top_p_sorted(row, top_p, settled=False)
-        keep[r, kept] = True
+        else:
+            keep[r] = _top_p_whole(row, top_p)
     return keep.reshape(probs.shape)
 
 
-def _top_p_sorted(p: torch.Tensor, top_p: float, settled: bool) -> torch.Tensor | None:
-    """The positions in `p` (C,) that top-p keeps, by sorting it; with `settled`, None unless
-    p's mass reaches top_p by TOP_P_MARGIN (tokens outside p would also have counted)."""
-    sorted_p, order = p.sort(descending=True, stable=True)  # (C,) x2
-    running = sorted_p.cumsum(0)  # (C,)
-    if settled and float(running[-1]) < top_p + TOP_P_MARGIN:
-        return None
-    keep_sorted = running - sorted_p < top_p  # (C,) mass of strictly likelier below top_p
-    keep_sorted[0] = True  # the likeliest, even when top_p rounds to 0 in float32
-    return order[keep_sorted]
+def _top_p_whole(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`top_p_mask` by sorting every token of every row: (..., V) -> (..., V) bool."""
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)  # (..., V) x2
+    return torch.zeros_like(probs, dtype=torch.bool).scatter_(
+        -1, order, _top_p_sorted(sorted_p, top_p)
+    )
+
+
+def _top_p_sorted(sorted_p: torch.Tensor, top_p: float) -> torch.Tensor:
+    """(..., C) probabilities sorted high to low -> (..., C) bool: those top-p keeps."""
+    keep = sorted_p.cumsum(dim=-1) - sorted_p < top_p  # mass of strictly likelier below top_p
+    keep[..., 0] = True  # the likeliest, even when top_p rounds to 0 in float32
+    return keep
 
 
 def make_generator(seed: int | None = None) -> torch.Generator:
