@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from workers.speculation.sampling import SamplingParams, uniform
+from workers.speculation.sampling import SamplingParams, cpu_array, uniform
 from workers.speculation.tree import TokenTree
 
 # Sampled children are drawn from the draft's top-K tokens, K = max(k, DRAFT_TOP_K):
@@ -67,7 +67,12 @@ def choose_children(
         raise ValueError("probs must be a 1-D float tensor (V,)")
     if k < 1 or top_k < 1:
         raise ValueError(f"k and top_k must be >= 1, got k={k} top_k={top_k}")
-    if not bool(((probs >= 0) & (probs < float("inf"))).all()):  # NaN fails too
+    array = cpu_array(probs)  # NaN fails too: numpy's min and max propagate it
+    if array is not None:
+        valid = bool(array.min() >= 0 and array.max() < math.inf)
+    else:
+        valid = bool(((probs >= 0) & (probs < float("inf"))).all())
+    if not valid:
         raise ValueError("probs must be finite and non-negative")
     greedy = params if isinstance(params, bool) else params.greedy
     if not greedy and generator is None:

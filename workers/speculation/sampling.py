@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -37,23 +38,32 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def cpu_array(x: torch.Tensor) -> np.ndarray | None:
+    """A float32 CPU tensor's numpy view (no copy), None for any other: numpy's reductions
+    over a row of the vocabulary are vectorised where torch's, on one thread, are not
+    (argmax 3-6 µs against 43-85, a NaN/inf check 8-10 against 76-205; bench/RESULTS.md),
+    and a target round takes them per node and after the root."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return x.detach().numpy()
+    return None
+
+
 def first_argmax(logits: torch.Tensor) -> torch.Tensor:
     """(..., V) -> (...,) long on the CPU: each row's first largest entry (NaN counting as
-    largest), as torch.argmax. For float32 on the CPU through numpy, whose argmax is
-    vectorised: one row of 49,152 in 3-6 µs against torch's 43-85 on one thread
-    (bench/RESULTS.md), and every target round takes one per node and one after the root."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return torch.as_tensor(logits.detach().numpy().argmax(axis=-1))  # a 0-d result too
+    largest), as torch.argmax."""
+    array = cpu_array(logits)
+    if array is not None:
+        return torch.as_tensor(array.argmax(axis=-1))  # a 0-d result too
     return logits.argmax(dim=-1).cpu()
 
 
 def row_max(x: torch.Tensor) -> torch.Tensor:
-    """(..., V) float32 -> (...,) on the CPU: each row's largest entry, NaN where it has one
-    (both numpy's max and torch's amax propagate NaN). Through numpy on the CPU: one pass,
-    where checking for NaN, +inf and a finite entry with torch's ops took four (205 µs a
-    row of 49,152 on one thread, against about 10)."""
-    if x.device.type == "cpu" and x.dtype == torch.float32:
-        return torch.as_tensor(x.detach().numpy().max(axis=-1))
+    """(..., V) -> (...,) on the CPU: each row's largest entry, NaN where it has one (numpy's
+    max and torch's amax both propagate NaN): one pass where checking for NaN, +inf and a
+    finite entry took four."""
+    array = cpu_array(x)
+    if array is not None:
+        return torch.as_tensor(array.max(axis=-1))
     return x.amax(dim=-1).cpu()
 
 
