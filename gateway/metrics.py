@@ -116,7 +116,9 @@ class Metrics:
             "specsplit_accepted_tokens", "Draft tree nodes the target accepted", registry=r
         )
         self.verify_steps = Counter(
-            "specsplit_verify_steps", "Target verify calls that committed a round", registry=r
+            "specsplit_verify_steps",
+            "Target forwards that committed tokens: a round's, or each of its decode steps",
+            registry=r,
         )
         self.accepted_per_position = Counter(
             "specsplit_accepted_tokens_per_position",
@@ -238,10 +240,12 @@ class Metrics:
             self.hung_calls.labels(role)
             self.worker_restarts.labels(role)
 
-    def observe_round(self, drafted: int, accepted: int, degraded: bool, prefix_hit: int) -> None:
+    def observe_round(
+        self, drafted: int, accepted: int, degraded: bool, prefix_hit: int, steps: int = 1
+    ) -> None:
         self.draft_tokens.inc(drafted)
         self.accepted_tokens.inc(accepted)
-        self.verify_steps.inc()
+        self.verify_steps.inc(steps)
         for position in range(min(accepted, MAX_POSITION + 1)):
             self.accepted_per_position.labels(position=str(position)).inc()
         if degraded:

@@ -7,7 +7,7 @@ beside `choices` on each chunk that carries a choice's text, an object
       "tokens": [{"i": 7, "text": " the", "round": 3, "source": "draft",
                   "kind": "accepted", "drafter": "ngram"}, ...],
       "rounds": [{"round": 3, "tree_nodes": 12, "accepted": 4, "tokens": 5,
-                  "drafter": "ngram", "degraded": false,
+                  "forwards": 1, "drafter": "ngram", "degraded": false,
                   "draft_ms": 0.4, "verify_ms": 41.2}]
     }
 
@@ -25,8 +25,10 @@ beside `choices` on each chunk that carries a choice's text, an object
   back in part comes in two chunks, with the same `i`.
 - `rounds`: the rounds verified since the choice's previous chunk (a round
   whose text is all held back is reported with the next one): its tree's
-  nodes, the draft tokens accepted, the tokens it committed and the time of
-  its propose and verify calls.
+  nodes, the draft tokens accepted, the tokens it committed, the target
+  forwards that made them (more than one where a round without a draft had
+  the target decode several tokens in a row: `--decode-steps`) and the time
+  of its propose and verify calls.
 
 Clients that do not ask see no change, and the text is the same either way.
 """
@@ -77,6 +79,7 @@ class Provenance:
                 "tree_nodes": round_.drafted,
                 "accepted": round_.accepted,
                 "tokens": len(round_.tokens),
+                "forwards": round_.steps,
                 "drafter": drafter if round_.drafted else None,
                 "degraded": round_.degraded,
                 "draft_ms": round(draft_s * 1000, 2),

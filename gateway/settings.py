@@ -66,6 +66,15 @@ class GatewayOptions(BaseSettings):
         description="a target round's fixed cost in tokens fed (a / b of its cost a + b*n) "
         "assumed until its rounds are measured, and the ratio the online fit is pulled towards",
     )
+    decode_steps: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="a round that drafts nothing (speculation off, or not paying) has the "
+        "target decode up to this many tokens in a row before it answers, so its next forward "
+        "does not wait for the session's round trip (vLLM's multi-step scheduling); streamed "
+        "that many at a time; 1 = a token a round",
+    )
     allow_lossy: bool = Field(
         False,
         description="serve requests that opt into a lossy acceptance rule (speculation."
@@ -128,7 +137,13 @@ class GatewayOptions(BaseSettings):
     @property
     def loop_options(self) -> LoopOptions:
         adaptive = AdaptiveConfig(self.adaptive_knee_tokens) if self.adaptive_tree else None
-        return LoopOptions(adaptive, self.overlap_draft, self.hybrid_draft, self.ngram_min_match)
+        return LoopOptions(
+            adaptive,
+            self.overlap_draft,
+            self.hybrid_draft,
+            self.ngram_min_match,
+            self.decode_steps,
+        )
 
     def suffix_cache(self) -> SuffixCache | None:
         """A fresh suffix cache, or None when it is off."""

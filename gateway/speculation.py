@@ -71,6 +71,8 @@ class LoopOptions:
     hybrid: bool = False
     # the shortest suffix the gateway's own n-gram draft copies after (its drafter's)
     ngram_min_match: int = MIN_MATCH
+    # tokens the target decodes in a row for a round that drafts nothing (VerifyCall.steps)
+    decode_steps: int = 1
 
 
 # the shortest match a hybrid round's n-gram part copies after: a one-token match is
@@ -163,6 +165,7 @@ class Speculation(Loop):
             ),
             router.session_id(affinity, index),
             keep=affinity is not None,
+            steps=options.decode_steps,
         )
         self.metrics = metrics
         self.options = options
@@ -178,6 +181,8 @@ class Speculation(Loop):
         self.local_nodes = 0  # of this round's tree, the nodes of its n-gram part
         self.suffix = SuffixIndex()  # the history so far (`indexed`): match lengths, lookups
         self.quiet = 0  # rounds left without a draft since the target cut a whole tree
+        # this round's n-gram lookup matched nothing: the next token may match (no steps)
+        self.unmatched = False
 
     # --- adaptive trees -----------------------------------------------------------------
 
@@ -185,6 +190,7 @@ class Speculation(Loop):
         # A seeded sampling request keeps the configured tree: sampled output depends on
         # the tree, and adapting it to other sessions' acceptance or the target's load
         # would make the same seed give different text (greedy output never changes).
+        self.unmatched = False
         params = self.state.plan.params
         if self.options.adaptive is None or (params.seed is not None and not params.greedy):
             return spec
@@ -199,6 +205,7 @@ class Speculation(Loop):
             return None
         kind = self.match_kind()
         if kind is None:
+            self.unmatched = True
             return None
         self.kind = kind
         if self.recent is not None:
@@ -284,7 +291,14 @@ class Speculation(Loop):
         plan = self.state.plan
         index = self.indexed()
         min_match = self.options.ngram_min_match
-        return lookup_tree(index, spec, self.suffixes, plan.tenant, min_match), False
+        tree = lookup_tree(index, spec, self.suffixes, plan.tenant, min_match)
+        self.unmatched = not len(tree)
+        return tree, False
+
+    def decode_steps(self, tree: TokenTree) -> int:
+        """`Loop.decode_steps`, but one token after an n-gram lookup that matched nothing:
+        a copied span may start at the next token, and the lookup then drafts it."""
+        return 1 if self.unmatched else super().decode_steps(tree)
 
     # --- hybrid trees ------------------------------------------------------------------
 
@@ -386,7 +400,7 @@ class Speculation(Loop):
             if not round_.degraded and not self.options.overlap and not self.local_nodes:
                 self.level_s += self.config.ewma * (draft_s / path_depth - self.level_s)
         self.metrics.observe_round(
-            round_.drafted, round_.accepted, round_.degraded, round_.prefix_hit
+            round_.drafted, round_.accepted, round_.degraded, round_.prefix_hit, round_.steps
         )
         if len(tree) and self.drafter == "hybrid":
             self.metrics.observe_hybrid(self.local_nodes, len(tree) - self.local_nodes)

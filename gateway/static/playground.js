@@ -104,7 +104,7 @@ class Panel {
     this.error.textContent = "";
     this.totals.textContent = "";
     this.rounds.innerHTML =
-      "<tr><th>round</th><th>tree nodes</th><th>accepted</th><th>tokens</th><th>draft ms</th><th>verify ms</th></tr>";
+      "<tr><th>round</th><th>tree nodes</th><th>accepted</th><th>tokens</th><th>forwards</th><th>draft ms</th><th>verify ms</th></tr>";
     this.lastRound = 0;
     this.last = null;
     this.section.dataset.state = "running";
@@ -138,7 +138,7 @@ class Panel {
 
   round(r) {
     const row = this.rounds.insertRow();
-    for (const v of [r.round, r.tree_nodes, r.accepted, r.tokens, r.draft_ms, r.verify_ms]) {
+    for (const v of [r.round, r.tree_nodes, r.accepted, r.tokens, r.forwards, r.draft_ms, r.verify_ms]) {
       row.insertCell().textContent = v;
     }
   }

@@ -135,5 +135,7 @@ async def run(
     spec: TreeSpec = TreeSpec(),
     params: SamplingParams = SamplingParams(),
     stop_ids: frozenset[int] = frozenset(),
+    steps: int = 1,
 ) -> Generation:
-    return await generate(route, Plan(prompt, n, params, spec, stop_ids), uuid.uuid4().hex)
+    plan = Plan(prompt, n, params, spec, stop_ids)
+    return await generate(route, plan, uuid.uuid4().hex, steps=steps)

@@ -202,9 +202,9 @@ def live(model_dir: Path, backends: list, **kw) -> LiveGateway:
 
 
 class SlowTarget(InProcessTarget):
-    """A target that takes `delay` seconds per verify plus `token_delay` per token it feeds,
-    so a test can act mid-stream or see a costly target; setting `stall_s` makes its next
-    verify take that much longer (a hang)."""
+    """A target that takes `delay` seconds per forward (a verify's, or each of its decode
+    steps) plus `token_delay` per token it feeds, so a test can act mid-stream or see a
+    costly target; setting `stall_s` makes its next verify take that much longer (a hang)."""
 
     delay: float = 0.0
     token_delay: float = 0.0
@@ -212,8 +212,8 @@ class SlowTarget(InProcessTarget):
 
     async def verify(self, call):
         stall, self.stall_s = self.stall_s, 0.0
-        fed = len(call.tokens) + len(call.tree) + 1
-        await asyncio.sleep(self.delay + self.token_delay * fed + stall)
+        fed = len(call.tokens) + len(call.tree) + call.steps
+        await asyncio.sleep(self.delay * call.steps + self.token_delay * fed + stall)
         return await super().verify(call)
 
 

@@ -88,14 +88,16 @@ def check(chunks, drafter: str) -> dict:
         for r in rounds:
             mine = [t for t in seen["tokens"] if t["round"] == r["round"]]
             sources = [next(g)["source"] for _, g in itertools.groupby(mine, key=lambda t: t["i"])]
-            # accepted draft tokens first, then at most one of the target's
+            # accepted draft tokens first, then the target's: one a round with a draft, one
+            # a forward (a decode step) in a round without
             draft = min(r["accepted"], r["tokens"])
             assert sources == ["draft"] * draft + ["target"] * (r["tokens"] - draft)
             assert all(t.get("drafter") == drafter for t in mine if t["source"] == "draft")
             assert {t["kind"] for t in mine if t["source"] == "target"} <= {"bonus", "correction"}
             assert r["tree_nodes"] >= r["accepted"] and r["verify_ms"] > 0
             drafted += draft
-    assert sum(len(s["rounds"]) for s in by_choice.values()) == stats["verify_steps"]
+    forwards = [r["forwards"] for s in by_choice.values() for r in s["rounds"]]
+    assert min(forwards) >= 1 and sum(forwards) == stats["verify_steps"]
     assert drafted <= stats["accepted_tokens"]
     return by_choice
 

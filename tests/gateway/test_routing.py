@@ -97,8 +97,9 @@ def test_lost_session_is_resent_to_the_same_worker(tiny_dir):
 
 def test_without_a_healthy_draft_the_target_decodes_alone(tiny_dir, tiny_draft_dir):
     draft = model_draft(tiny_draft_dir)
-    # fixed trees: every round wants a draft (an adaptive round may measure that none pays)
-    with live(tiny_dir, [target(tiny_dir), draft], adaptive_tree=False) as gateway:
+    # fixed trees: every round wants a draft (an adaptive round may measure that none pays);
+    # a token a round (without a draft, a round would have the target decode several)
+    with live(tiny_dir, [target(tiny_dir), draft], adaptive_tree=False, decode_steps=1) as gateway:
         client = client_of(gateway)
         kw = dict(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
         before = client.chat.completions.create(**kw).choices[0].message.content

@@ -125,6 +125,8 @@ class Loop:
     route: Route
     session_id: str
     keep: bool = False  # a clean end keeps the worker sessions (a conversation's next turn)
+    # tokens the target decodes in a row for a round that drafts nothing (`decode_steps`)
+    steps: int = 1
     draft: Seat = field(default_factory=Seat)
     target: Seat = field(default_factory=Seat)
     # the target's states of the positions its latest verify committed, asked for while the
@@ -223,6 +225,18 @@ class Loop:
 
     # --- the calls --------------------------------------------------------------------
 
+    def decode_steps(self, tree: TokenTree) -> int:
+        """Tokens the target decodes in a row this round, one forward each, before it
+        answers (VerifyCall.steps): up to `steps` for a round without a draft past the
+        session's first (never more than are still wanted), else 1. The first round
+        answers with its first token at once; a feature draft wants the target's states
+        after every token."""
+        if self.steps <= 1 or len(tree) or self.target.held < len(self.history):
+            return 1
+        if self.draft.worker is not None and self.draft.worker.feature_size:
+            return 1
+        return max(1, min(self.steps, self.state.remaining))
+
     def tree_spec(self, extra: int = 0) -> TreeSpec | None:
         """This round's tree: shaped, no deeper than wanted, within the target's limit."""
         if not self.route.drafts:
@@ -319,9 +333,11 @@ class Loop:
                 plan.acceptance,
                 wants_features,
                 plan.cache_salt,
+                self.decode_steps(tree),
+                tuple(plan.stop_ids),
             )
             try:
-                work = len(call.tokens) + len(tree)
+                work = len(call.tokens) + len(tree) + call.steps - 1
                 outcome = await self.route.call(worker, work, worker.backend.verify(call))
             except SessionLost as error:
                 self.resend("target", error, tried)
@@ -464,10 +480,12 @@ async def generate(
     plan: Plan,
     session_id: str,
     on_round: Callable[[Round, float], None] | None = None,
+    steps: int = 1,
 ) -> Generation:
     """Runs the loop to the end and returns the whole generation; `on_round` is called with
-    each committed round and the seconds since the previous one (or the start)."""
-    loop = Loop(LoopState(plan), route, session_id)
+    each committed round and the seconds since the previous one (or the start); `steps`:
+    `Loop.steps`."""
+    loop = Loop(LoopState(plan), route, session_id, steps=steps)
     start = last = time.perf_counter()
     async with contextlib.aclosing(loop.rounds()) as rounds:
         async for round_ in rounds:

@@ -44,7 +44,7 @@ class Counters:
 
     draft_tokens: int = 0  # tree nodes sent to verification
     accepted_tokens: int = 0  # tree nodes the target accepted
-    verify_steps: int = 0  # rounds (target forwards that committed tokens)
+    verify_steps: int = 0  # target forwards that committed tokens (a round's, or its steps)
     emitted_tokens: int = 0  # accepted + bonus tokens
     degraded_rounds: int = 0  # rounds without a draft because none answered
     prefix_hit_tokens: int = 0  # cached prompt tokens a target reused on (re)start
@@ -85,6 +85,7 @@ class Round:
     # child of the last accepted node, and the target chose otherwise), not a bonus token
     corrected: bool = False
     seconds: tuple[float, float] = (0.0, 0.0)  # its propose and verify calls' wall time
+    steps: int = 1  # target forwards that made its tokens (VerifyCall.steps)
 
 
 @dataclass
@@ -139,7 +140,7 @@ class LoopState:
         c = self.counters
         c.draft_tokens += len(tree)
         c.accepted_tokens += len(outcome.accepted)
-        c.verify_steps += 1
+        c.verify_steps += outcome.steps
         c.emitted_tokens += len(outcome.emitted)
         c.degraded_rounds += degraded
         c.prefix_hit_tokens += outcome.prefix_hit
@@ -155,6 +156,7 @@ class LoopState:
             outcome.prefix_hit,
             corrected=bool((tree.parents == last).any()) if len(tree) else False,
             seconds=seconds,
+            steps=outcome.steps,
         )
 
 

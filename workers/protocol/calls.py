@@ -106,6 +106,15 @@ class VerifyCall:
     acceptance: AcceptanceRule = EXACT  # how draft tokens are accepted; only exact is lossless
     return_hidden: bool = False  # return the committed positions' hidden states (feature drafts)
     cache_salt: str = ""  # its KV prefixes are shared only with calls of the same salt
+    # with an empty tree: decode up to this many tokens on the worker, one forward each,
+    # before answering (workers/target/runner.py, "Decode steps"); fewer after a `stop_ids`
+    # token. A tree, or return_hidden, answers after one forward whatever this says
+    steps: int = 1
+    stop_ids: tuple[int, ...] = ()  # tokens that end a generation: no step follows them
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
 
 
 class Unfinished:
@@ -146,6 +155,7 @@ class VerifyOutcome:
     timings: Timings = field(default_factory=Timings)  # filled in by a served worker
     hidden: Features | None = None  # when asked: the states after each token fed and committed
     dropped: int = 0  # nodes at the tree's end the target left out (workers/target/runner.py)
+    steps: int = 1  # forwards that made `emitted` (VerifyCall.steps; 1 with a tree)
 
 
 @dataclass(frozen=True)

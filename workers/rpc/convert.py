@@ -217,6 +217,8 @@ def verify_request(call: VerifyCall) -> pb.VerifyRequest:
         **_acceptance_field(call.acceptance),
         return_hidden=call.return_hidden,
         cache_salt=call.cache_salt,
+        steps=call.steps,
+        stop_ids=call.stop_ids,
     )
 
 
@@ -231,6 +233,8 @@ def verify_call(msg: pb.VerifyRequest) -> VerifyCall:
         _acceptance(msg),
         msg.return_hidden,
         msg.cache_salt,
+        max(1, msg.steps),
+        tuple(msg.stop_ids),
     )
 
 
@@ -242,6 +246,7 @@ def verify_response(outcome: VerifyOutcome) -> pb.VerifyResponse:
         prefix_hit=outcome.prefix_hit,
         timings=timings_to_proto(outcome.timings),
         dropped=outcome.dropped,
+        steps=outcome.steps,
         **_features_field("hidden", outcome.hidden),
     )
     for lp in outcome.logprobs or []:
@@ -263,6 +268,7 @@ def verify_outcome(msg: pb.VerifyResponse) -> VerifyOutcome:
         timings_from_proto(msg.timings),
         _features(msg, "hidden"),
         msg.dropped,
+        max(1, msg.steps),
     )
 
 

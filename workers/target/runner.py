@@ -22,6 +22,19 @@ included, and those of the prefix it took from the prefix cache (the newest
 (workers/protocol/calls.py). Other calls get none. Such a session takes cached
 KV only as far as the states of it are kept (workers/target/states.py), and
 its answers keep the states of the full blocks they complete for the next.
+
+Decode steps: a call with an empty tree and `steps` > 1 (a session that drafts
+nothing this round) is decoded on here for up to that many tokens, one forward
+each, before it is answered: after each forward but the last it is answered
+`UNFINISHED` like a prefill chunk, its token committed and fed by the next
+step, so the target runs its next forward at once instead of waiting a round
+trip for the session's next call (vLLM's multi-step scheduling). Each token
+is the one a call of its own would have got: a sampled one is drawn with the
+generator of its position. A step that emits a `stop_ids` token or fills the
+context answers at once, and every such call is answered after the forwards
+whose count is a multiple of its `steps`, so that sessions decoding side by
+side go back to the gateway together and the target waits for their next
+calls once every `steps` forwards, not once a forward.
 """
 
 from __future__ import annotations
@@ -60,6 +73,16 @@ class Prefill:
     states: list[torch.Tensor] = field(default_factory=list)
 
 
+@dataclass
+class Decoding:
+    """A call being decoded for several tokens (`VerifyCall.steps`), between its steps."""
+
+    call: VerifyCall
+    prefix_hit: int
+    emitted: list[int] = field(default_factory=list)  # its tokens so far, one a step
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one a token, when asked
+
+
 @dataclass(frozen=True)
 class Prepared:
     call: VerifyCall
@@ -72,6 +95,7 @@ class Prepared:
     # (prefix, E) FEATURE_DTYPE (in `prefill.states` instead when it is fed in chunks)
     known: torch.Tensor | None = None
     dropped: int = 0  # nodes cut from the end of the call's tree (`TargetRunner.fit_blocks`)
+    decoding: Decoding | None = None  # the call's earlier decode steps, if any
 
 
 def region(pending: list[int], tree: TokenTree) -> tuple[list[int], list[int]]:
@@ -113,6 +137,8 @@ class TargetRunner:
         self.prefill_chunk = prefill_chunk  # most pending tokens fed per step; None = all
         self.hidden_bytes = hidden_bytes  # most bytes of hidden states one call returns
         self.chunking: dict[str, Prefill] = {}  # session -> its call being fed in chunks
+        self.decoding: dict[str, Decoding] = {}  # session -> its call between decode steps
+        self.forwards = 0  # forwards run; decode steps end on a multiple of a call's steps
         # the states of shared prompt prefixes, for feature sessions (with prefix caching)
         shared = engine.cache.prefixes is not None
         self.states = (
@@ -121,11 +147,15 @@ class TargetRunner:
 
     def prepare(self, call: VerifyCall, busy: set[str]) -> Prepared:
         going = self.chunking.pop(call.session_id, None)
+        decoding = self.decoding.pop(call.session_id, None)
         if going is not None and going.call is call:  # its next chunk: already synced
             session, hit = self.table.get(call.session_id), going.prefix_hit
             self.table.touch(session)
+        elif decoding is not None and decoding.call is call:  # its next decode step
+            going, session, hit = None, self.table.get(call.session_id), decoding.prefix_hit
+            self.table.touch(session)
         else:
-            going = None
+            going = decoding = None
             session, hit = self.sync(call, busy)
         known = None
         if going is None and call.return_hidden and call.base_len == 0 and session.cached:
@@ -143,7 +173,7 @@ class TargetRunner:
             row = tree_row(session, call.tree)
         self.table.reserve(session, session.cached + len(row.parents), busy)
         chunk = row.logits_for == 0
-        return Prepared(call, session, row, hit, chunk, going, known)
+        return Prepared(call, session, row, hit, chunk, going, known, decoding=decoding)
 
     def sync(self, call: VerifyCall, busy: set[str]) -> tuple[Session, int]:
         """Checks the call and brings its session up to date; returns it and the prefix hit."""
@@ -189,6 +219,7 @@ class TargetRunner:
         prepared = self.fit_blocks(prepared)
         if prepared:
             out = self.engine.run([p.row for _, p in prepared])
+            self.forwards += 1
             for (i, p), logits, hidden in zip(prepared, out.logits, out.hidden, strict=True):
                 if p.chunk:
                     self.table.advance(p.session, len(p.row.tokens))
@@ -196,8 +227,29 @@ class TargetRunner:
                         self.keep_states(p.prefill, hidden)  # hidden: (chunk, E)
                     results[i] = UNFINISHED
                 else:
-                    results[i] = self.finish(p, logits, hidden)
+                    results[i] = self.step_on(p, self.finish(p, logits, hidden))
         return results  # type: ignore[return-value]
+
+    def step_on(self, p: Prepared, outcome: VerifyOutcome) -> VerifyOutcome | Unfinished:
+        """A call decoding several tokens: its answer once done, else `UNFINISHED` with its
+        step's token kept for the next (module docstring, "Decode steps")."""
+        call = p.call
+        if call.steps <= 1 or len(call.tree) or call.return_hidden:
+            return outcome
+        done = p.decoding or Decoding(call, p.prefix_hit)
+        done.emitted += outcome.emitted
+        done.logprobs += outcome.logprobs or []
+        more = (
+            len(done.emitted) < call.steps
+            and outcome.emitted[-1] not in call.stop_ids
+            and len(p.session.committed) < self.engine.context_length
+            and self.forwards % call.steps
+        )
+        if more:
+            self.decoding[call.session_id] = done
+            return UNFINISHED
+        logprobs = done.logprobs if call.num_logprobs >= 0 else None
+        return VerifyOutcome([], done.emitted, logprobs, done.prefix_hit, steps=len(done.emitted))
 
     def fit_blocks(self, prepared: list[tuple[int, Prepared]]) -> list[tuple[int, Prepared]]:
         """Cuts the last nodes of greedy trees where they alone would open the forward's
@@ -289,6 +341,7 @@ class TargetRunner:
 
     def end(self, session_id: str) -> bool:
         self.chunking.pop(session_id, None)
+        self.decoding.pop(session_id, None)
         if self.states is not None:
             self.states.forget(session_id)
         return self.table.end(session_id)

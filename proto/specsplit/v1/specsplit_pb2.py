@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"proto/specsplit/v1/specsplit.proto\x12\x0cspecsplit.v1\"`\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0f\n\x07q_width\x18\x03 \x01(\r\x12\x10\n\x08q_tokens\x18\x04 \x03(\x05\x12\x0f\n\x07q_probs\x18\x05 \x03(\x02\"o\n\nTreePolicy\x12\r\n\x05\x64\x65pth\x18\x01 \x01(\r\x12\x11\n\tbranching\x18\x02 \x01(\r\x12\x0e\n\x06\x62udget\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"Y\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\nforward_ns\x18\x02 \x01(\x04\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x04 \x01(\r\"\xb0\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12(\n\x06policy\x18\x04 \x01(\x0b\x32\x18.specsplit.v1.TreePolicy\x12*\n\x06hidden\x18\x05 \x01(\x0b\x32\x1a.specsplit.v1.HiddenStates\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"H\n\x0cHiddenStates\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\r\n\x05width\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"`\n\x0fProposeResponse\x12%\n\x04tree\x18\x01 \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.specsplit.v1.Timings\"f\n\x13ProposeBatchRequest\x12+\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1c.specsplit.v1.ProposeRequest\x12\x0b\n\x03tag\x18\x02 \x01(\x04\x12\x15\n\rmerge_replies\x18\x03 \x01(\x08\"v\n\rProposeResult\x12\x31\n\x08response\x18\x01 \x01(\x0b\x32\x1d.specsplit.v1.ProposeResponseH\x00\x12(\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.specsplit.v1.CallErrorH\x00\x42\x08\n\x06result\"\x85\x01\n\x14ProposeBatchResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.specsplit.v1.ProposeResult\x12\x0b\n\x03tag\x18\x02 \x01(\x04\x12\x32\n\x06merged\x18\x03 \x03(\x0b\x32\".specsplit.v1.ProposeBatchResponse\"\xa1\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12%\n\x04tree\x18\x04 \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x19\n\x0cnum_logprobs\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12,\n\nacceptance\x18\x07 \x01(\x0b\x32\x18.specsplit.v1.Acceptance\x12\x15\n\rreturn_hidden\x18\x08 \x01(\x08\x12\x12\n\ncache_salt\x18\t \x01(\tB\x0f\n\r_num_logprobs\"M\n\nAcceptance\x12\x0c\n\x04rule\x18\x01 \x01(\t\x12\x11\n\tthreshold\x18\x02 \x01(\x01\x12\x0f\n\x07\x65psilon\x18\x03 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\x01\"U\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.specsplit.v1.TopLogprob\",\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xe9\x01\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\r\x12\x0f\n\x07\x65mitted\x18\x02 \x03(\x05\x12\r\n\x05\x62onus\x18\x03 \x01(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.specsplit.v1.TokenLogprob\x12\x12\n\nprefix_hit\x18\x05 \x01(\r\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.specsplit.v1.Timings\x12*\n\x06hidden\x18\x07 \x01(\x0b\x32\x1a.specsplit.v1.HiddenStates\x12\x0f\n\x07\x64ropped\x18\x08 \x01(\r\"d\n\x12VerifyBatchRequest\x12*\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1b.specsplit.v1.VerifyRequest\x12\x0b\n\x03tag\x18\x02 \x01(\x04\x12\x15\n\rmerge_replies\x18\x03 \x01(\x08\"*\n\tCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"t\n\x0cVerifyResult\x12\x30\n\x08response\x18\x01 \x01(\x0b\x32\x1c.specsplit.v1.VerifyResponseH\x00\x12(\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.specsplit.v1.CallErrorH\x00\x42\x08\n\x06result\"\x82\x01\n\x13VerifyBatchResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specsplit.v1.VerifyResult\x12\x0b\n\x03tag\x18\x02 \x01(\x04\x12\x31\n\x06merged\x18\x03 \x03(\x0b\x32!.specsplit.v1.VerifyBatchResponse\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x12\x45ndSessionResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"\xaa\x02\n\x0cInfoResponse\x12 \n\x04role\x18\x01 \x01(\x0e\x32\x12.specsplit.v1.Role\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x05 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\r\x12\x15\n\rlive_sessions\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x16\n\x0emax_tree_nodes\x18\t \x01(\r\x12\x11\n\tkv_tokens\x18\n \x01(\r\x12\x16\n\x0ekv_tokens_used\x18\x0b \x01(\r\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x0c \x01(\r*=\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0e\n\nROLE_DRAFT\x10\x01\x12\x0f\n\x0bROLE_TARGET\x10\x02\x32\xc2\x02\n\x0c\x44raftService\x12\x46\n\x07Propose\x12\x1c.specsplit.v1.ProposeRequest\x1a\x1d.specsplit.v1.ProposeResponse\x12Z\n\rProposeStream\x12!.specsplit.v1.ProposeBatchRequest\x1a\".specsplit.v1.ProposeBatchResponse(\x01\x30\x01\x12O\n\nEndSession\x12\x1f.specsplit.v1.EndSessionRequest\x1a .specsplit.v1.EndSessionResponse\x12=\n\x04Info\x12\x19.specsplit.v1.InfoRequest\x1a\x1a.specsplit.v1.InfoResponse2\x91\x03\n\rTargetService\x12\x43\n\x06Verify\x12\x1b.specsplit.v1.VerifyRequest\x1a\x1c.specsplit.v1.VerifyResponse\x12R\n\x0bVerifyBatch\x12 .specsplit.v1.VerifyBatchRequest\x1a!.specsplit.v1.VerifyBatchResponse\x12W\n\x0cVerifyStream\x12 .specsplit.v1.VerifyBatchRequest\x1a!.specsplit.v1.VerifyBatchResponse(\x01\x30\x01\x12O\n\nEndSession\x12\x1f.specsplit.v1.EndSessionRequest\x1a .specsplit.v1.EndSessionResponse\x12=\n\x04Info\x12\x19.specsplit.v1.InfoRequest\x1a\x1a.specsplit.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"proto/specsplit/v1/specsplit.proto\x12\x0cspecsplit.v1\"`\n\tTokenTree\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0f\n\x07q_width\x18\x03 \x01(\r\x12\x10\n\x08q_tokens\x18\x04 \x03(\x05\x12\x0f\n\x07q_probs\x18\x05 \x03(\x02\"o\n\nTreePolicy\x12\r\n\x05\x64\x65pth\x18\x01 \x01(\r\x12\x11\n\tbranching\x18\x02 \x01(\r\x12\x0e\n\x06\x62udget\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"Y\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\nforward_ns\x18\x02 \x01(\x04\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x04 \x01(\r\"\xb0\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12(\n\x06policy\x18\x04 \x01(\x0b\x32\x18.specsplit.v1.TreePolicy\x12*\n\x06hidden\x18\x05 \x01(\x0b\x32\x1a.specsplit.v1.HiddenStates\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"H\n\x0cHiddenStates\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\r\n\x05width\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"`\n\x0fProposeResponse\x12%\n\x04tree\x18\x01 \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12&\n\x07timings\x18\x02 \x01(\x0b\x32\x15.specsplit.v1.Timings\"f\n\x13ProposeBatchRequest\x12+\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1c.specsplit.v1.ProposeRequest\x12\x0b\n\x03tag\x18\x02 \x01(\x04\x12\x15\n\rmerge_replies\x18\x03 \x01(\x08\"v\n\rProposeResult\x12\x31\n\x08response\x18\x01 \x01(\x0b\x32\x1d.specsplit.v1.ProposeResponseH\x00\x12(\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.specsplit.v1.CallErrorH\x00\x42\x08\n\x06result\"\x85\x01\n\x14ProposeBatchResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.specsplit.v1.ProposeResult\x12\x0b\n\x03tag\x18\x02 \x01(\x04\x12\x32\n\x06merged\x18\x03 \x03(\x0b\x32\".specsplit.v1.ProposeBatchResponse\"\xc2\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_len\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12%\n\x04tree\x18\x04 \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x19\n\x0cnum_logprobs\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12,\n\nacceptance\x18\x07 \x01(\x0b\x32\x18.specsplit.v1.Acceptance\x12\x15\n\rreturn_hidden\x18\x08 \x01(\x08\x12\x12\n\ncache_salt\x18\t \x01(\t\x12\r\n\x05steps\x18\n \x01(\r\x12\x10\n\x08stop_ids\x18\x0b \x03(\x05\x42\x0f\n\r_num_logprobs\"M\n\nAcceptance\x12\x0c\n\x04rule\x18\x01 \x01(\t\x12\x11\n\tthreshold\x18\x02 \x01(\x01\x12\x0f\n\x07\x65psilon\x18\x03 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\x01\"U\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.specsplit.v1.TopLogprob\",\n\nTopLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xf8\x01\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\r\x12\x0f\n\x07\x65mitted\x18\x02 \x03(\x05\x12\r\n\x05\x62onus\x18\x03 \x01(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.specsplit.v1.TokenLogprob\x12\x12\n\nprefix_hit\x18\x05 \x01(\r\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.specsplit.v1.Timings\x12*\n\x06hidden\x18\x07 \x01(\x0b\x32\x1a.specsplit.v1.HiddenStates\x12\x0f\n\x07\x64ropped\x18\x08 \x01(\r\x12\r\n\x05steps\x18\t \x01(\r\"d\n\x12VerifyBatchRequest\x12*\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x1b.specsplit.v1.VerifyRequest\x12\x0b\n\x03tag\x18\x02 \x01(\x04\x12\x15\n\rmerge_replies\x18\x03 \x01(\x08\"*\n\tCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"t\n\x0cVerifyResult\x12\x30\n\x08response\x18\x01 \x01(\x0b\x32\x1c.specsplit.v1.VerifyResponseH\x00\x12(\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x17.specsplit.v1.CallErrorH\x00\x42\x08\n\x06result\"\x82\x01\n\x13VerifyBatchResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specsplit.v1.VerifyResult\x12\x0b\n\x03tag\x18\x02 \x01(\x04\x12\x31\n\x06merged\x18\x03 \x03(\x0b\x32!.specsplit.v1.VerifyBatchResponse\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x12\x45ndSessionResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"\xaa\x02\n\x0cInfoResponse\x12 \n\x04role\x18\x01 \x01(\x0e\x32\x12.specsplit.v1.Role\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x05 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x06 \x01(\r\x12\x15\n\rlive_sessions\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x16\n\x0emax_tree_nodes\x18\t \x01(\r\x12\x11\n\tkv_tokens\x18\n \x01(\r\x12\x16\n\x0ekv_tokens_used\x18\x0b \x01(\r\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x0c \x01(\r*=\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0e\n\nROLE_DRAFT\x10\x01\x12\x0f\n\x0bROLE_TARGET\x10\x02\x32\xc2\x02\n\x0c\x44raftService\x12\x46\n\x07Propose\x12\x1c.specsplit.v1.ProposeRequest\x1a\x1d.specsplit.v1.ProposeResponse\x12Z\n\rProposeStream\x12!.specsplit.v1.ProposeBatchRequest\x1a\".specsplit.v1.ProposeBatchResponse(\x01\x30\x01\x12O\n\nEndSession\x12\x1f.specsplit.v1.EndSessionRequest\x1a .specsplit.v1.EndSessionResponse\x12=\n\x04Info\x12\x19.specsplit.v1.InfoRequest\x1a\x1a.specsplit.v1.InfoResponse2\x91\x03\n\rTargetService\x12\x43\n\x06Verify\x12\x1b.specsplit.v1.VerifyRequest\x1a\x1c.specsplit.v1.VerifyResponse\x12R\n\x0bVerifyBatch\x12 .specsplit.v1.VerifyBatchRequest\x1a!.specsplit.v1.VerifyBatchResponse\x12W\n\x0cVerifyStream\x12 .specsplit.v1.VerifyBatchRequest\x1a!.specsplit.v1.VerifyBatchResponse(\x01\x30\x01\x12O\n\nEndSession\x12\x1f.specsplit.v1.EndSessionRequest\x1a .specsplit.v1.EndSessionResponse\x12=\n\x04Info\x12\x19.specsplit.v1.InfoRequest\x1a\x1a.specsplit.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.specsplit.v1.specsplit_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=2708
-  _globals['_ROLE']._serialized_end=2769
+  _globals['_ROLE']._serialized_start=2756
+  _globals['_ROLE']._serialized_end=2817
   _globals['_TOKENTREE']._serialized_start=52
   _globals['_TOKENTREE']._serialized_end=148
   _globals['_TREEPOLICY']._serialized_start=150
@@ -54,33 +54,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROPOSEBATCHRESPONSE']._serialized_start=1042
   _globals['_PROPOSEBATCHRESPONSE']._serialized_end=1175
   _globals['_VERIFYREQUEST']._serialized_start=1178
-  _globals['_VERIFYREQUEST']._serialized_end=1467
-  _globals['_ACCEPTANCE']._serialized_start=1469
-  _globals['_ACCEPTANCE']._serialized_end=1546
-  _globals['_TOKENLOGPROB']._serialized_start=1548
-  _globals['_TOKENLOGPROB']._serialized_end=1633
-  _globals['_TOPLOGPROB']._serialized_start=1635
-  _globals['_TOPLOGPROB']._serialized_end=1679
-  _globals['_VERIFYRESPONSE']._serialized_start=1682
-  _globals['_VERIFYRESPONSE']._serialized_end=1915
-  _globals['_VERIFYBATCHREQUEST']._serialized_start=1917
-  _globals['_VERIFYBATCHREQUEST']._serialized_end=2017
-  _globals['_CALLERROR']._serialized_start=2019
-  _globals['_CALLERROR']._serialized_end=2061
-  _globals['_VERIFYRESULT']._serialized_start=2063
-  _globals['_VERIFYRESULT']._serialized_end=2179
-  _globals['_VERIFYBATCHRESPONSE']._serialized_start=2182
-  _globals['_VERIFYBATCHRESPONSE']._serialized_end=2312
-  _globals['_ENDSESSIONREQUEST']._serialized_start=2314
-  _globals['_ENDSESSIONREQUEST']._serialized_end=2353
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=2355
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=2390
-  _globals['_INFOREQUEST']._serialized_start=2392
-  _globals['_INFOREQUEST']._serialized_end=2405
-  _globals['_INFORESPONSE']._serialized_start=2408
-  _globals['_INFORESPONSE']._serialized_end=2706
-  _globals['_DRAFTSERVICE']._serialized_start=2772
-  _globals['_DRAFTSERVICE']._serialized_end=3094
-  _globals['_TARGETSERVICE']._serialized_start=3097
-  _globals['_TARGETSERVICE']._serialized_end=3498
+  _globals['_VERIFYREQUEST']._serialized_end=1500
+  _globals['_ACCEPTANCE']._serialized_start=1502
+  _globals['_ACCEPTANCE']._serialized_end=1579
+  _globals['_TOKENLOGPROB']._serialized_start=1581
+  _globals['_TOKENLOGPROB']._serialized_end=1666
+  _globals['_TOPLOGPROB']._serialized_start=1668
+  _globals['_TOPLOGPROB']._serialized_end=1712
+  _globals['_VERIFYRESPONSE']._serialized_start=1715
+  _globals['_VERIFYRESPONSE']._serialized_end=1963
+  _globals['_VERIFYBATCHREQUEST']._serialized_start=1965
+  _globals['_VERIFYBATCHREQUEST']._serialized_end=2065
+  _globals['_CALLERROR']._serialized_start=2067
+  _globals['_CALLERROR']._serialized_end=2109
+  _globals['_VERIFYRESULT']._serialized_start=2111
+  _globals['_VERIFYRESULT']._serialized_end=2227
+  _globals['_VERIFYBATCHRESPONSE']._serialized_start=2230
+  _globals['_VERIFYBATCHRESPONSE']._serialized_end=2360
+  _globals['_ENDSESSIONREQUEST']._serialized_start=2362
+  _globals['_ENDSESSIONREQUEST']._serialized_end=2401
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=2403
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=2438
+  _globals['_INFOREQUEST']._serialized_start=2440
+  _globals['_INFOREQUEST']._serialized_end=2453
+  _globals['_INFORESPONSE']._serialized_start=2456
+  _globals['_INFORESPONSE']._serialized_end=2754
+  _globals['_DRAFTSERVICE']._serialized_start=2820
+  _globals['_DRAFTSERVICE']._serialized_end=3142
+  _globals['_TARGETSERVICE']._serialized_start=3145
+  _globals['_TARGETSERVICE']._serialized_end=3546
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,53 @@
+"""Decode steps through the gateway (`--decode-steps`): rounds without a draft have the
+target decode several tokens in a row, and the client gets the same text, greedy or
+seeded sampling, as with a token a round; the stream's provenance counts the forwards."""
+
+from openai import OpenAI
+
+from tests.gateway.helpers import MODEL, live, target
+from tests.gateway.test_provenance import ASK, STATS
+
+CHAT = [{"role": "user", "content": "Tell me about the sea and the ships on it."}]
+
+
+def replies(tiny_dir, steps: int) -> tuple[list[str], list[dict]]:
+    """Greedy and seeded sampled texts (speculation off, then the deployment's draft: the
+    gateway's own n-gram), and the rounds of a greedy stream with speculation off."""
+    with live(tiny_dir, [target(tiny_dir)], decode_steps=steps) as gateway:
+        client = OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+        texts = []
+        for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):
+            for method in ("off", "auto"):
+                reply = client.chat.completions.create(
+                    model=MODEL,
+                    messages=CHAT,
+                    max_tokens=40,
+                    extra_body={"speculation": {"method": method}},
+                    **sampling,
+                )
+                texts.append(reply.choices[0].message.content)
+        chunks = client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            stream_options=ASK["stream_options"],
+            extra_body={**STATS, "speculation": {"method": "off"}},
+        )
+        chunks = list(chunks)
+    rounds = [r for c in chunks for r in (c.model_extra.get("specsplit") or {}).get("rounds", [])]
+    stats = chunks[-1].model_extra["speculation_stats"]
+    assert sum(r["forwards"] for r in rounds) == stats["verify_steps"]
+    assert sum(r["tokens"] for r in rounds) == chunks[-1].usage.completion_tokens
+    return texts, rounds
+
+
+def test_decode_steps_give_the_text_of_a_token_a_round(tiny_dir):
+    stepped, rounds = replies(tiny_dir, 4)
+    single, plain_rounds = replies(tiny_dir, 1)
+    assert stepped == single
+    assert {r["forwards"] for r in plain_rounds} == {1}
+    assert rounds[0]["forwards"] == 1  # the first token comes after the prompt's forward
+    assert max(r["forwards"] for r in rounds) == 4
+    assert all(r["tokens"] == r["forwards"] for r in rounds)  # no draft: a token a forward

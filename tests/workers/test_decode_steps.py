@@ -1,0 +1,124 @@
+"""Decode steps (VerifyCall.steps): a round without a draft has the target decode several
+tokens in a row before it answers. Each token is the one a call of its own would have got,
+greedy or sampled; the answers come after the same forwards for sessions side by side; a
+stop token ends the steps; and through the loop, over real gRPC workers, the text is the
+target's own."""
+
+import asyncio
+
+import pytest
+import torch
+
+from tests.decoding.pairs import NGRAM, pair, run
+from tests.decoding.test_greedy_lossless import GREEDY, target_only
+from tests.engine.tiny import tiny_engine
+from workers.engine.sessions import SessionTable
+from workers.protocol import UNFINISHED, VerifyCall, VerifyOutcome
+from workers.speculation.sampling import SamplingParams
+from workers.speculation.tree import TokenTree
+from workers.target.runner import TargetRunner
+
+PROMPT = [5, 9, 2, 7, 7, 1, 30, 4]
+SAMPLED = SamplingParams(temperature=1.0, seed=11)
+
+
+def runner(slots: int = 2) -> TargetRunner:
+    return TargetRunner(tiny_engine(seed=0, slots=slots), SessionTable(slots))
+
+
+def single_steps(params: SamplingParams, n: int) -> tuple[list[int], list[float]]:
+    """The prompt's first n tokens, one call a token, and each token's logprob."""
+    target = runner()
+    tokens, logprobs = [], []
+    call = VerifyCall("s", 0, PROMPT, TokenTree.empty(), params, num_logprobs=2)
+    for _ in range(n):
+        (out,) = target.verify([call])
+        tokens += out.emitted
+        logprobs += [lp.logprob for lp in out.logprobs]
+        call = VerifyCall("s", len(PROMPT) + len(tokens), [], call.tree, params, 2)
+    return tokens, logprobs
+
+
+def answered(target: TargetRunner, calls: list[VerifyCall]) -> list[tuple[int, VerifyOutcome]]:
+    """Runs the calls' steps until every call is answered: (the forward it came after, its
+    answer) per call."""
+    results: list[tuple[int, VerifyOutcome] | None] = [None] * len(calls)
+    while any(r is None for r in results):
+        waiting = [i for i, r in enumerate(results) if r is None]
+        for i, out in zip(waiting, target.verify([calls[i] for i in waiting]), strict=True):
+            if out is not UNFINISHED:
+                assert isinstance(out, VerifyOutcome)
+                results[i] = (target.forwards, out)
+    return results  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_decode_steps_give_the_tokens_of_single_steps(params):
+    expected, expected_logprobs = single_steps(params, 12)
+    target = runner()
+    (first,) = target.verify([VerifyCall("s", 0, PROMPT, TokenTree.empty(), params, 2)])
+    tokens, logprobs = list(first.emitted), [lp.logprob for lp in first.logprobs]
+    sizes = []
+    while len(tokens) < len(expected):
+        held = len(PROMPT) + len(tokens)  # the worker holds every token it answered
+        call = VerifyCall("s", held, [], TokenTree.empty(), params, 2, steps=4)
+        ((after, out),) = answered(target, [call])
+        assert after % 4 == 0 and out.steps == len(out.emitted) and not out.accepted
+        tokens += out.emitted
+        logprobs += [lp.logprob for lp in out.logprobs]
+        sizes.append(len(out.emitted))
+    assert tokens[: len(expected)] == expected
+    assert torch.allclose(torch.tensor(logprobs[:12]), torch.tensor(expected_logprobs))
+    assert sizes[0] == 3 and set(sizes[1:]) == {4}  # the first answer lines up with forward 4
+
+
+def test_sessions_decoding_side_by_side_are_answered_after_the_same_forward():
+    target = runner(slots=3)
+    starts = [
+        VerifyCall(s, 0, PROMPT[: 4 + i], TokenTree.empty(), GREEDY) for i, s in enumerate("abc")
+    ]
+    outs = target.verify(starts)  # forward 1
+    calls = [
+        VerifyCall(c.session_id, len(c.tokens) + 1, [], TokenTree.empty(), GREEDY, steps=8)
+        for c, o in zip(starts, outs, strict=True)
+    ]
+    late = calls.pop()  # joins at forward 3
+    (early,) = target.verify([calls[0]])  # forward 2: a step of a's alone
+    assert early is UNFINISHED
+    answers = answered(target, [calls[0], calls[1], late])
+    assert {after for after, _ in answers} == {8}
+    assert [len(out.emitted) for _, out in answers] == [7, 6, 6]
+
+
+def test_a_stop_token_ends_the_steps():
+    expected, _ = single_steps(GREEDY, 6)
+    target = runner()
+    (first,) = target.verify([VerifyCall("s", 0, PROMPT, TokenTree.empty(), GREEDY)])
+    stop = expected[3]
+    n = expected[1:].index(stop) + 1  # tokens up to the first stop token, after the first
+    held = len(PROMPT) + 1
+    call = VerifyCall("s", held, [], TokenTree.empty(), GREEDY, steps=64, stop_ids=(stop,))
+    ((_, out),) = answered(target, [call])
+    assert first.emitted + out.emitted == expected[: n + 1]
+
+
+def test_a_tree_or_one_step_answers_after_one_forward():
+    target = runner()
+    (first,) = target.verify([VerifyCall("s", 0, PROMPT, TokenTree.empty(), GREEDY)])
+    tree = TokenTree(torch.tensor([3]), torch.tensor([-1]))
+    (out,) = target.verify([VerifyCall("s", len(PROMPT) + 1, [], tree, GREEDY, steps=4)])
+    assert isinstance(out, VerifyOutcome) and out.steps == 1
+    with pytest.raises(ValueError, match="steps"):
+        VerifyCall("s", 0, PROMPT, TokenTree.empty(), GREEDY, steps=0)
+
+
+@pytest.mark.parametrize("draft", [None, NGRAM], ids=["no-draft", "ngram"])
+async def test_the_loop_with_decode_steps_over_grpc_gives_the_targets_greedy_text(draft):
+    """Three sessions at once through real gRPC workers, the loop asking for 4 steps a round
+    without a draft: each text is the target's own."""
+    prompts = [PROMPT, PROMPT[:5] * 3, [40, 41, 42, 40, 41]]
+    async with pair("grpc", tiny_engine(seed=0, slots=4), draft, batch_wait_ms=5) as route:
+        gens = await asyncio.gather(*(run(route, p, 21, steps=4) for p in prompts))
+    for prompt, gen in zip(prompts, gens, strict=True):
+        assert gen.token_ids == await target_only(0, prompt, 21)
+        assert gen.stats.verify_steps >= gen.stats.emitted_tokens - gen.stats.accepted_tokens
