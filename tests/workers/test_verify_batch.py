@@ -120,3 +120,24 @@ async def test_a_batch_is_cancelled_once_every_caller_has_left():
             await asyncio.sleep(0)
 
     await asyncio.wait_for(drained(), 5)
+
+
+async def test_calls_decoding_several_steps_travel_apart_from_one_step_calls():
+    """A message is answered once all its calls are: a one-step call made beside calls
+    decoding several tokens goes in a message of its own and does not wait for them."""
+    sent: list[list[tuple[str, int]]] = []
+
+    async def one(request: pb.VerifyRequest) -> pb.VerifyResponse:
+        sent.append([(request.session_id, request.steps)])
+        return pb.VerifyResponse(emitted=[1])
+
+    async def many(requests: list[pb.VerifyRequest]) -> list[pb.VerifyResponse]:
+        sent.append([(r.session_id, r.steps) for r in requests])
+        return [pb.VerifyResponse(emitted=[1]) for _ in requests]
+
+    coalescer = Coalescer(one, many)
+    requests = [
+        pb.VerifyRequest(session_id=s, steps=n) for s, n in zip("abcd", (4, 1, 4, 0), strict=True)
+    ]
+    await asyncio.gather(*(coalescer.call(r) for r in requests))
+    assert sorted(sent) == [[("a", 4), ("c", 4)], [("b", 1), ("d", 0)]]

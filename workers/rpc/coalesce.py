@@ -11,6 +11,12 @@ batch (a message of the worker's stream, or a VerifyBatch call; one request
 alone may go as a plain call); each caller gets its own response or its own
 error.
 
+A batch is answered once every call in it is, so calls that take different
+numbers of the worker's steps travel apart (`group`): a Verify decoding several
+tokens (`VerifyRequest.steps`) goes in a batch of such calls, which the worker
+answers after the same forward (workers/target/runner.py), and a one-step call
+does not wait for it.
+
 A caller that is cancelled (a hang bound, a client gone) leaves the batch;
 once every caller of a batch has left, its call is cancelled. A worker that
 cannot take a batch (an older build without VerifyBatch, mid-rollout; a draft
@@ -21,7 +27,7 @@ go one by one.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -48,14 +54,21 @@ class _Batch(Generic[Request]):
             self.task.cancel()
 
 
+def steps_apart(request) -> bool:
+    """The group of a call: whether it decodes several steps (a Verify's `steps`)."""
+    return getattr(request, "steps", 0) > 1
+
+
 @dataclass
 class Coalescer(Generic[Request, Response]):
-    """Requests made in one turn of the event loop, sent as one batch."""
+    """Requests made in one turn of the event loop, sent as one batch per `group`."""
 
     one: Callable[[Request], Awaitable[Response]]  # one call
     # a batch: each request's response or its error; raises Unbatched
     many: Callable[[list[Request]], Awaitable[Sequence[Response | WorkerError]]]
     batching: bool = True  # False once the worker said it takes no batches
+    # requests of one group share a batch (module docstring)
+    group: Callable[[Request], Hashable] = steps_apart
     queue: list[tuple[Request, asyncio.Future]] = field(default_factory=list)
     sending: set[asyncio.Task] = field(default_factory=set)
 
@@ -71,9 +84,14 @@ class Coalescer(Generic[Request, Response]):
 
     def flush(self) -> None:
         queued, self.queue = self.queue, []
-        queued = [(request, caller) for request, caller in queued if not caller.done()]
-        if not queued:
-            return
+        groups: dict[Hashable, list[tuple[Request, asyncio.Future]]] = {}
+        for request, caller in queued:
+            if not caller.done():
+                groups.setdefault(self.group(request), []).append((request, caller))
+        for members in groups.values():
+            self.send_batch(members)
+
+    def send_batch(self, queued: list[tuple[Request, asyncio.Future]]) -> None:
         batch = _Batch([r for r, _ in queued], [c for _, c in queued])
         batch.task = asyncio.get_running_loop().create_task(self.send(batch))
         self.sending.add(batch.task)
