@@ -181,8 +181,6 @@ class Speculation(Loop):
         self.local_nodes = 0  # of this round's tree, the nodes of its n-gram part
         self.suffix = SuffixIndex()  # the history so far (`indexed`): match lengths, lookups
         self.quiet = 0  # rounds left without a draft since the target cut a whole tree
-        # this round's n-gram lookup matched nothing: the next token may match (no steps)
-        self.unmatched = False
 
     # --- adaptive trees -----------------------------------------------------------------
 
@@ -190,7 +188,6 @@ class Speculation(Loop):
         # A seeded sampling request keeps the configured tree: sampled output depends on
         # the tree, and adapting it to other sessions' acceptance or the target's load
         # would make the same seed give different text (greedy output never changes).
-        self.unmatched = False
         params = self.state.plan.params
         if self.options.adaptive is None or (params.seed is not None and not params.greedy):
             return spec
@@ -205,7 +202,6 @@ class Speculation(Loop):
             return None
         kind = self.match_kind()
         if kind is None:
-            self.unmatched = True
             return None
         self.kind = kind
         if self.recent is not None:
@@ -291,14 +287,7 @@ class Speculation(Loop):
         plan = self.state.plan
         index = self.indexed()
         min_match = self.options.ngram_min_match
-        tree = lookup_tree(index, spec, self.suffixes, plan.tenant, min_match)
-        self.unmatched = not len(tree)
-        return tree, False
-
-    def decode_steps(self, tree: TokenTree) -> int:
-        """`Loop.decode_steps`, but one token after an n-gram lookup that matched nothing:
-        a copied span may start at the next token, and the lookup then drafts it."""
-        return 1 if self.unmatched else super().decode_steps(tree)
+        return lookup_tree(index, spec, self.suffixes, plan.tenant, min_match), False
 
     # --- hybrid trees ------------------------------------------------------------------
 

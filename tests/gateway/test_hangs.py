@@ -71,15 +71,20 @@ def stall_the_busy_target_once_warm(gateway, backends, stall_s: float, stalled: 
     return on_chunk
 
 
+WARM_UP = 3  # requests before the one that stalls: each target answers MIN_CALLS calls
+
+
 def test_a_hung_target_fails_over_to_the_other_one_with_the_same_text(tiny_dir):
     backends = [slow_target(tiny_dir, "t0", 0.01), slow_target(tiny_dir, "t1", 0.01)]
     kw = dict(messages=CHAT, max_tokens=48, temperature=0)
     # no suffix cache in either test: a repeated greedy request would draft its whole answer
-    # from the first one's output, in too few calls for the stall rule to arm
+    # from the first one's output, in too few calls for the stall rule to arm; and a few
+    # requests first, as a round without a draft decodes up to four tokens a call
     with live(tiny_dir, backends, rpc_timeout_s=120, suffix_cache_tokens=0) as gateway:
         client = client_of(gateway)
         clean = stream_text(client, **kw)
-        stream_text(client, **kw)  # the least-loaded pick alternates: both targets are warm
+        for _ in range(WARM_UP):  # the least-loaded pick alternates: both targets are warm
+            stream_text(client, **kw)
         stalled: list[str] = []
         on_chunk = stall_the_busy_target_once_warm(gateway, backends, 60, stalled)
         faulted = stream_text(client, on_chunk=on_chunk, **kw)
@@ -96,6 +101,8 @@ def test_with_one_target_a_slow_call_is_waited_for(tiny_dir):
     with live(tiny_dir, backends, suffix_cache_tokens=0) as gateway:
         client = client_of(gateway)
         clean = stream_text(client, **kw)
+        for _ in range(WARM_UP):
+            stream_text(client, **kw)
         stalled: list[str] = []
         on_chunk = stall_the_busy_target_once_warm(gateway, backends, 2 * hangs.FLOOR_S, stalled)
         assert stream_text(client, on_chunk=on_chunk, **kw) == clean

@@ -23,10 +23,11 @@ ASK = {"stream_options": {"include_provenance": True, "include_usage": True}}
 STATS = {"speculation_stats": True}
 
 
-# Fixed trees and no suffix cache: greedy rounds, and so the chunks, are then the same in
-# every run (adaptive trees follow the acceptance of every earlier request, and the suffix
-# cache drafts from earlier outputs).
-FIXED = dict(adaptive_tree=False, suffix_cache_tokens=0)
+# Fixed trees, no suffix cache, a token a round: greedy rounds, and so the chunks, are then
+# the same in every run (adaptive trees follow the acceptance of every earlier request, the
+# suffix cache drafts from earlier outputs, and a round of decode steps ends after the
+# worker's forward whose count is a multiple of the steps: workers/target/runner.py).
+FIXED = dict(adaptive_tree=False, suffix_cache_tokens=0, decode_steps=1)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,10 @@ from workers.target.runner import TargetRunner
 def test_the_gateway_with_cut_trees_gives_the_targets_greedy_text(tiny_dir):
     runner = TargetRunner(load_engine(tiny_dir), SessionTable(4), row_block=4)
     messages = [{"role": "user", "content": "one two three one two three one two three one"}]
-    with live(tiny_dir, [InProcessTarget("t0", runner)], adaptive_tree=False) as gateway:
+    # a tree every round that finds a match, a token a round otherwise: the rounds, and so
+    # the trees' sizes, follow the text alone (decode steps end on the worker's forwards)
+    backends = [InProcessTarget("t0", runner)]
+    with live(tiny_dir, backends, adaptive_tree=False, decode_steps=1) as gateway:
         client = OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
 
         def text(speculation: dict | None) -> str:

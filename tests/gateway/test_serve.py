@@ -186,7 +186,9 @@ def test_disconnected_client_leaves_no_live_sessions(serve, client):
 
 @pytest.mark.embedded
 def test_metrics_after_traffic(serve, client):
-    client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=16, temperature=0)
+    # 64 tokens: enough rounds for the n-gram draft to find a match the target accepts (a
+    # round without a draft decodes up to four tokens, and looks up none between them)
+    client.chat.completions.create(model=MODEL, messages=STORY, max_tokens=64, temperature=0)
     text = httpx.get(serve.state["url"].removesuffix("/v1") + "/metrics").text
     values = {
         line.split(" ")[0]: float(line.split(" ")[1])

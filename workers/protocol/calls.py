@@ -137,7 +137,10 @@ class TokenLogprob:
 class Timings:
     """Where one call's time went on the worker."""
 
-    queue_ns: int = 0  # arrival -> start of its batch
+    # arrival -> start of its batch (of its last one, for a call answered after several
+    # steps: a prefill's chunks, decode steps), so that the call's time less this is one
+    # step's
+    queue_ns: int = 0
     forward_ns: int = 0  # the batch's model work, shared by its calls
     batch_size: int = 0  # calls in that batch
     # tokens its forward fed, cached prompt blocks not, in tokens fed for their logits: a
