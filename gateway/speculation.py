@@ -181,6 +181,8 @@ class Speculation(Loop):
         self.local_nodes = 0  # of this round's tree, the nodes of its n-gram part
         self.suffix = SuffixIndex()  # the history so far (`indexed`): match lengths, lookups
         self.quiet = 0  # rounds left without a draft since the target cut a whole tree
+        # tokens committed since a round's draft was last accepted (`decode_steps`)
+        self.unaccepted = 0
 
     # --- adaptive trees -----------------------------------------------------------------
 
@@ -289,6 +291,15 @@ class Speculation(Loop):
         min_match = self.options.ngram_min_match
         return lookup_tree(index, spec, self.suffixes, plan.tenant, min_match), False
 
+    def decode_steps(self, tree: TokenTree) -> int:
+        """`Loop.decode_steps` once the session's drafts have gone unaccepted for twice the
+        steps' tokens; until then a token a round, as text that copies its prompt gets a
+        draft accepted every few tokens, and a round of steps would skip the lookups (and
+        the copied span) of its tokens (bench/RESULTS.md, "Decode steps")."""
+        if self.route.drafts and self.unaccepted < 2 * self.options.decode_steps:
+            return 1
+        return super().decode_steps(tree)
+
     # --- hybrid trees ------------------------------------------------------------------
 
     def local_tree(self, spec: TreeSpec) -> TokenTree:
@@ -368,6 +379,7 @@ class Speculation(Loop):
     def observe(self, tree: TokenTree, round_: Round) -> None:
         draft_s, verify_s = round_.seconds
         self.quiet = max(0, self.quiet - 1)
+        self.unaccepted = 0 if round_.accepted else self.unaccepted + len(round_.tokens)
         if self.route.drafts:
             self.metrics.round_phase.labels("draft").observe(draft_s)
         self.metrics.round_phase.labels("verify").observe(verify_s)

@@ -10,6 +10,25 @@ from tests.gateway.test_provenance import ASK, STATS
 CHAT = [{"role": "user", "content": "Tell me about the sea and the ships on it."}]
 
 
+def streamed(client, messages: list[dict], max_tokens: int, extra: dict) -> list:
+    """A greedy stream's chunks, with provenance and usage."""
+    chunks = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options=ASK["stream_options"],
+        extra_body=extra,
+    )
+    return list(chunks)
+
+
+def rounds_of(chunks) -> list[dict]:
+    """The rounds the chunks' provenance reported."""
+    return [r for c in chunks for r in (c.model_extra.get("specsplit") or {}).get("rounds", [])]
+
+
 def replies(tiny_dir, steps: int) -> tuple[list[str], list[dict]]:
     """Greedy and seeded sampled texts (speculation off, then the deployment's draft: the
     gateway's own n-gram), and the rounds of a greedy stream with speculation off."""
@@ -26,17 +45,8 @@ def replies(tiny_dir, steps: int) -> tuple[list[str], list[dict]]:
                     **sampling,
                 )
                 texts.append(reply.choices[0].message.content)
-        chunks = client.chat.completions.create(
-            model=MODEL,
-            messages=CHAT,
-            max_tokens=40,
-            temperature=0,
-            stream=True,
-            stream_options=ASK["stream_options"],
-            extra_body={**STATS, "speculation": {"method": "off"}},
-        )
-        chunks = list(chunks)
-    rounds = [r for c in chunks for r in (c.model_extra.get("specsplit") or {}).get("rounds", [])]
+        chunks = streamed(client, CHAT, 40, {**STATS, "speculation": {"method": "off"}})
+    rounds = rounds_of(chunks)
     stats = chunks[-1].model_extra["speculation_stats"]
     assert sum(r["forwards"] for r in rounds) == stats["verify_steps"]
     assert sum(r["tokens"] for r in rounds) == chunks[-1].usage.completion_tokens
@@ -51,3 +61,20 @@ def test_decode_steps_give_the_text_of_a_token_a_round(tiny_dir):
     assert rounds[0]["forwards"] == 1  # the first token comes after the prompt's forward
     assert max(r["forwards"] for r in rounds) == 4
     assert all(r["tokens"] == r["forwards"] for r in rounds)  # no draft: a token a forward
+
+
+def test_a_session_whose_drafts_are_accepted_looks_up_every_token(tiny_dir):
+    """With the gateway's n-gram draft, a round decodes several tokens only once the
+    session's drafts have gone unaccepted for twice the steps' tokens (8 here): text that
+    copies keeps a lookup every token."""
+    copy = "one two three four five six seven eight nine ten " * 3
+    messages = [{"role": "user", "content": copy}]
+    with live(tiny_dir, [target(tiny_dir)], decode_steps=4, suffix_cache_tokens=0) as gateway:
+        client = OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+        rounds = rounds_of(streamed(client, messages, 64, {}))
+    unaccepted = 0
+    for r in rounds:
+        if r["forwards"] > 1:
+            assert unaccepted >= 8 and not r["tree_nodes"]
+        unaccepted = 0 if r["accepted"] else unaccepted + r["tokens"]
+    assert any(r["accepted"] for r in rounds)

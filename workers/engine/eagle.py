@@ -75,6 +75,7 @@ class EagleHead(NativeLlama):
     With `kept` (K,) target ids its LM head holds only their rows (module docstring)."""
 
     takes_features = True
+    input_linears = ("fuse",)
 
     def __init__(
         self,

@@ -243,6 +243,7 @@ class NativeLlama(nn.Module):
         self.compiled_blocks: Callable | None = None
 
     takes_features = False  # whether its input pairs each token with a target hidden state
+    input_linears: tuple[str, ...] = ()  # linear layers of its input, packed like the blocks'
     kept: torch.Tensor | None = None  # (K,) the ids its LM head's rows read out; None = all V
 
     @property

@@ -100,8 +100,9 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def pack_linears(model: nn.Module, kernel: Bf16Kernel | None) -> bool:
-    """Packs the blocks' projections and the LM head of a NativeLlama; True when it did.
-    `kernel`: the bfloat16 kernel (`bf16_kernel`), for a bfloat16 model on the CPU."""
+    """Packs the blocks' projections, the LM head and the input layers (`input_linears`:
+    an EAGLE head's fuse) of a NativeLlama; True when it did. `kernel`: the bfloat16
+    kernel (`bf16_kernel`), for a bfloat16 model on the CPU."""
     weight = model.lm_head.weight
     if can_pack(weight.dtype, weight.device):
         make = PackedLinear
@@ -117,4 +118,6 @@ def pack_linears(model: nn.Module, kernel: Bf16Kernel | None) -> bool:
         for name in LAYERS:
             setattr(block, name, make(getattr(block, name)))
     model.lm_head = make(model.lm_head)
+    for name in model.input_linears:
+        setattr(model, name, make(getattr(model, name)))
     return True

@@ -230,10 +230,16 @@ class Loop:
         answers (VerifyCall.steps): up to `steps` for a round without a draft past the
         session's first (never more than are still wanted), else 1. The first round
         answers with its first token at once; a feature draft wants the target's states
-        after every token."""
+        after every token; and a seeded sampled session that drafts keeps a token a
+        round: its text depends on where its trees hang, and where a round of steps ends
+        depends on the worker's forwards (workers/target/runner.py), which the seed does
+        not fix (without a draft, each token is its position's draw either way)."""
         if self.steps <= 1 or len(tree) or self.target.held < len(self.history):
             return 1
         if self.draft.worker is not None and self.draft.worker.feature_size:
+            return 1
+        params = self.state.plan.params
+        if self.route.drafts and params.seed is not None and not params.greedy:
             return 1
         return max(1, min(self.steps, self.state.remaining))
 
