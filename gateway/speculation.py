@@ -296,7 +296,7 @@ class Speculation(Loop):
         steps' tokens; until then a token a round, as text that copies its prompt gets a
         draft accepted every few tokens, and a round of steps would skip the lookups (and
         the copied span) of its tokens (bench/RESULTS.md, "Decode steps")."""
-        if self.route.drafts and self.unaccepted < 2 * self.options.decode_steps:
+        if self.route.drafts and self.unaccepted < 2 * self.steps:
             return 1
         return super().decode_steps(tree)
 
