@@ -70,10 +70,12 @@ class GatewayOptions(BaseSettings):
         4,
         ge=1,
         le=64,
-        description="a round that drafts nothing (speculation off, or not paying) has the "
-        "target decode up to this many tokens in a row before it answers, so its next forward "
-        "does not wait for the session's round trip (vLLM's multi-step scheduling); streamed "
-        "that many at a time; 1 = a token a round",
+        description="a round that drafts nothing (speculation off, a draft that does not pay "
+        "or is down) has the target decode up to this many tokens in a row before it answers, "
+        "so its next forward does not wait for the session's round trip (vLLM's multi-step "
+        "scheduling); streamed that many at a time; not the first token, nor before a "
+        "session's drafts have gone unaccepted for twice this many tokens, nor in a seeded "
+        "sampled request that drafts; 1 = a token a round",
     )
     allow_lossy: bool = Field(
         False,
