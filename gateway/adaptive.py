@@ -7,9 +7,11 @@ Both sides are estimated per round:
   its last rounds (exponentially weighted). With a path of depth D, a round
   emits E(D) = (1 - alpha^(D+1)) / (1 - alpha) tokens on average (Leviathan
   et al. 2022: accepted draft tokens plus the bonus token).
-- cost: a round whose target batch feeds n tokens lasts a + b*n seconds
-  (weights are read once, then compute grows with the tokens; the round's
-  network and gateway time adds to a). Each target worker's a and b are
+- cost: a round whose target batch feeds n tokens lasts a + b*n + o seconds
+  (weights are read once, then compute grows with the tokens; the call's
+  network time adds to a; o is the round's time outside the call's work:
+  the gateway's turn and the call's wait for the batch's other sessions).
+  Each target worker's a and b are
   learnt online (`CostFit`) from what its Verify calls report: the tokens
   its batch's forward fed (cached prompt blocks are not fed; a prompt token,
   fed without logits, counts the share of a token's work it needs, so that
@@ -27,8 +29,18 @@ Both sides are estimated per round:
   times D (a model draft expands the tree level by level; n-gram drafts
   cost nothing).
 
+A round without a draft may have the target decode k tokens in a row
+(`--decode-steps`, VerifyCall.steps): its forwards follow each other in the
+worker, and the time besides them (o and the call's transit, measured from
+the one-forward rounds as their seconds since the round before less the
+forward's) comes once. Its tokens cost plain = a + b S + o - beside (1 - 1/k)
+each: where that time is a fair share of a round (a 2-core machine's gateway
+shares the target's cores), a tree must beat the steps, not a token a round.
+o and beside are weighted means over each target's rounds, with `cost_ewma`.
+
 The shape maximises expected tokens per second of round time,
-E(D) / (a + b S (1 + N) + D * level_s), over depths 0..max and two shapes
+E(D) / (a + b S (1 + N) + o + D * level_s) against 1 / plain for no draft,
+over depths 0..max and two shapes
 at each depth: the configured shape cut to D levels (its nodes-per-level,
 budget / depth, kept, so a wide tree narrows as it gets shallower; N =
 N(D), at the trees' acceptance) or a chain D deep (N = D, at the spines'
@@ -121,19 +133,35 @@ class AdaptiveConfig:
 
 @dataclass(frozen=True)
 class RoundCost:
-    """Seconds of one round: a + b * tokens the target's batch feeds + the draft's per level."""
+    """Seconds of one round: a + b * tokens the target's batch feeds + the draft's per level
+    + the round's time outside its verify call; and what decode steps save a round without
+    a draft."""
 
-    fixed_s: float  # a: what a round costs whatever it feeds (weights, network, gateway)
+    fixed_s: float  # a: what a verify call costs whatever it feeds (weights, network)
     token_s: float  # b: what each token fed adds
     level_s: float = 0.0  # the draft's seconds per tree level (0: an n-gram draft)
+    # the round's time outside the call's work: the gateway's turn (commit, stream, the next
+    # call) and the call's wait in the target's queue for the other sessions' calls
+    outside_s: float = 0.0
+    # of a one-token round without a draft, the time besides the target's forward (the
+    # outside time and the call's transit): a round of decode steps pays it once
+    beside_s: float = 0.0
+    steps: int = 1  # the tokens a round without a draft decodes (VerifyCall.steps)
 
     @classmethod
     def prior(cls, config: AdaptiveConfig) -> RoundCost:
         """The unmeasured target, in units of one token's cost: a / b = knee_tokens."""
         return cls(config.knee_tokens, 1.0)
 
-    def seconds(self, tokens: float, depth: int) -> float:
-        return self.fixed_s + self.token_s * tokens + self.level_s * depth
+    def seconds(self, tokens: float, depth: float) -> float:
+        return self.fixed_s + self.outside_s + self.token_s * tokens + self.level_s * depth
+
+    def plain(self, tokens: float) -> float:
+        """Seconds a token of a round without a draft that feeds `tokens`: its forwards
+        follow each other in the target, and the time besides them comes once a round."""
+        steps = max(1, self.steps)
+        one = self.seconds(tokens, 0)  # k forwards and the time besides: at least a round's
+        return max(one - self.beside_s * (1.0 - 1.0 / steps), one / steps)
 
 
 @dataclass
@@ -154,6 +182,8 @@ class CostFit:
     tokens2: float = 0.0  # sum of w * n^2
     seconds: float = 0.0  # sum of w * t
     product: float = 0.0  # sum of w * n * t
+    # one-token rounds without a draft, weighted alike: sums of w, w * outside_s, w * beside_s
+    gaps: tuple[float, float, float] = (0.0, 0.0, 0.0)
     # the last line and the config it was fitted with: every session of a batch asks for
     # it between the batch's answers (each observed) and its next forward
     fitted: tuple[AdaptiveConfig, RoundCost] | None = field(default=None, compare=False)
@@ -173,6 +203,18 @@ class CostFit:
         self.tokens2 = keep * self.tokens2 + share * tokens * tokens
         self.seconds = keep * self.seconds + share * seconds
         self.product = keep * self.product + share * tokens * seconds
+
+    def observe_gaps(
+        self, outside_s: float, beside_s: float, config: AdaptiveConfig, share: float = 1.0
+    ) -> None:
+        """One call's one-token round: its seconds outside the call's work and besides the
+        target's forward (`RoundCost`), weighing `share` of a round as in `observe`."""
+        if outside_s < 0 or beside_s < 0 or share <= 0:
+            return
+        self.fitted = None
+        keep = (1.0 - config.cost_ewma) ** share
+        weight, outside, beside = (keep * total for total in self.gaps)
+        self.gaps = weight + share, outside + share * outside_s, beside + share * beside_s
 
     def line(self, config: AdaptiveConfig) -> RoundCost:
         """The fitted cost; the prior (in token units) before any round."""
@@ -195,7 +237,10 @@ class CostFit:
         b = (w * nt - n * t) / det
         a = (t - b * n) / w
         b = max(b, 1e-3 * prior_b)  # a round never gets cheaper with more tokens
-        return RoundCost(max(a, 0.0), b)
+        weight, outside, beside = self.gaps
+        if weight <= 0:
+            return RoundCost(max(a, 0.0), b)
+        return RoundCost(max(a, 0.0), b, outside_s=outside / weight, beside_s=beside / weight)
 
 
 @dataclass
@@ -395,16 +440,25 @@ def can_pay(rates: Rates, sessions: int, cost: RoundCost) -> bool:
     """Whether any draft could beat plain decoding. Most rounds of a busy target end here,
     so they skip weighing every shape (`weigh_shapes`), and the answer is the same:
 
-    - chains: a chain d deep gains g(d) = min(d, c (E(d) - 1)), concave in d, for a cost
-      linear in d, so when one level does not beat no draft, no depth does (tokens per
-      second are then at most the mediant of no draft's and the first level's);
+    - chains: a chain d deep gains g(d) = min(d, c (E(d) - 1)), concave in d and below
+      G = c alpha / (1 - alpha), for a cost linear in d, C + delta d. So g(d) <= min(d g(1),
+      G), and (1 + d g(1)) / (C + delta d) is monotone in d: the tokens per second of any
+      depth are at most those at one level or where d g(1) reaches G (when the no-draft
+      round cost C, as without decode steps, one level alone decides);
     - trees: every tree shape has two nodes or more, so it costs at least a round feeding
       3 tokens a session over one level, and gains at most c alpha / (1 - alpha) at the
       trees' acceptance (alpha held below 1).
     Each depth's calibration differs, so both bounds take the largest factor of any depth."""
     factor = rates.calibration.most()
-    plain = 1.0 / cost.seconds(sessions, 0)
-    chain = (1.0 + min(1.0, factor * rates.chain.rate)) / cost.seconds(2 * sessions, 1)
+    plain = 1.0 / cost.plain(sessions)
+    first = min(1.0, factor * rates.chain.rate)  # g(1)
+    rate = min(rates.chain.rate, 0.999)
+    most = factor * rate / (1.0 - rate)  # G
+    reach = max(1.0, most / first) if first > 0 else 1.0  # the depth where d g(1) reaches G
+    chain = max(
+        (1.0 + first) / cost.seconds(2 * sessions, 1),
+        (1.0 + min(most, reach * first)) / cost.seconds(sessions * (1 + reach), reach),
+    )
     rate = min(rates.tree.rate, 0.999)
     tree = (1.0 + factor * rate / (1.0 - rate)) / cost.seconds(3 * sessions, 1)
     return chain > plain or tree > plain
@@ -426,7 +480,7 @@ def weigh_shapes(rates: Rates, sessions: int, spec: TreeSpec, cost: RoundCost) -
     shallower."""
     s = max(1, sessions)
     chain, tree = rates.chain.rate, rates.tree.rate
-    best, most = (0, 0), (1.0 / cost.seconds(s, 0), 0, 0)  # (speed, -nodes, -depth)
+    best, most = (0, 0), (1.0 / cost.plain(s), 0, 0)  # (speed, -nodes, -depth)
     # every gateway round of a session that may draft weighs these shapes: one pass, the
     # first best kept (a shape ties another only when slower to verify or deeper)
     for d in range(1, spec.depth + 1):

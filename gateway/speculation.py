@@ -29,6 +29,7 @@ emit, re-sends after SessionLost); the gateway gives it:
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -183,6 +184,8 @@ class Speculation(Loop):
         self.quiet = 0  # rounds left without a draft since the target cut a whole tree
         # tokens committed since a round's draft was last accepted (`decode_steps`)
         self.unaccepted = 0
+        self.answered: tuple[float, Worker | None] | None = None  # the last verify's: when, by
+        self.cycle_s = 0.0  # seconds from the verify before to the last (0: another target's)
 
     # --- adaptive trees -----------------------------------------------------------------
 
@@ -244,8 +247,7 @@ class Speculation(Loop):
         worker = self.target.worker
         if worker is None or worker.cost.weight <= 0:
             return RoundCost.prior(self.config)  # unmeasured: in token units, draft time unknown
-        line = worker.cost.line(self.config)
-        return replace(line, level_s=self.level_s) if self.level_s else line
+        return replace(worker.cost.line(self.config), level_s=self.level_s, steps=self.stepping)
 
     @property
     def expected_accepted(self) -> float:
@@ -349,6 +351,10 @@ class Speculation(Loop):
     async def verify(self, tree: TokenTree) -> VerifyOutcome:
         self.fed = len(self.history) - self.target.held + len(tree) + 1
         self.outcome = await super().verify(tree)
+        answered, last = time.perf_counter(), self.answered
+        self.answered = answered, self.target.worker
+        same = last is not None and last[1] is self.target.worker
+        self.cycle_s = answered - last[0] if same else 0.0
         self.cut_by_target(len(tree), self.outcome.dropped)
         return self.outcome
 
@@ -383,7 +389,7 @@ class Speculation(Loop):
         if self.route.drafts:
             self.metrics.round_phase.labels("draft").observe(draft_s)
         self.metrics.round_phase.labels("verify").observe(verify_s)
-        self.observe_cost(verify_s)
+        self.observe_cost(draft_s, verify_s)
         if len(tree):
             path_depth = int(depths(tree.parents).max())
             best = spine(tree)
@@ -406,12 +412,16 @@ class Speculation(Loop):
         if len(tree) and self.drafter == "hybrid":
             self.metrics.observe_hybrid(self.local_nodes, len(tree) - self.local_nodes)
 
-    def observe_cost(self, verify_s: float) -> None:
-        """Teaches the target's cost fit this round: its batch's tokens and seconds.
+    def observe_cost(self, draft_s: float, verify_s: float) -> None:
+        """Teaches the target's cost fit this round: its batch's tokens and seconds; and,
+        for a round of one forward after another round, its time outside the call's work
+        and besides the forward (`RoundCost`): the seconds since the last verify's answer,
+        less the draft's, less the call's work (its wall time less its wait in the
+        target's queue) or the forward.
 
-        A served worker reports the tokens its batch fed and how long the call
-        queued; an in-process one reports nothing, so the call's own tokens and
-        wall time stand in.
+        A served worker reports the tokens its batch fed, how long the call queued and
+        the forward took; an in-process one reports nothing, so the call's own tokens and
+        wall time stand in, and its rounds teach no gaps.
         """
         worker, outcome = self.target.worker, self.outcome
         if worker is None or outcome is None:
@@ -419,7 +429,12 @@ class Speculation(Loop):
         timings = outcome.timings
         tokens = timings.batch_tokens or self.fed - outcome.prefix_hit
         share = 1.0 / max(1, timings.batch_size)
-        worker.cost.observe(tokens, verify_s - timings.queue_ns / 1e9, self.config, share)
+        work_s = verify_s - timings.queue_ns / 1e9
+        worker.cost.observe(tokens, work_s, self.config, share)
+        if self.cycle_s > 0 and timings.forward_ns > 0 and outcome.steps <= 1:
+            round_s = self.cycle_s - draft_s
+            beside_s = round_s - timings.forward_ns / 1e9
+            worker.cost.observe_gaps(max(0.0, round_s - work_s), beside_s, self.config, share)
 
     def after_emit(self, seconds: float) -> None:
         self.metrics.round_phase.labels("gateway").observe(seconds)

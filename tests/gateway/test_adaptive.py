@@ -107,6 +107,9 @@ def test_rounds_where_no_draft_can_pay_skip_weighing_shapes_and_choose_the_same(
         }
         estimates.calibration = Calibration(overall, by_depth)
         cost = RoundCost(rng.uniform(0, 60), rng.uniform(0.01, 5), rng.choice([0, rng.random()]))
+        if draw % 3 == 2:  # measured gaps and decode steps: a round without a draft is cheaper
+            beside = rng.uniform(0, cost.fixed_s)
+            cost = replace(cost, outside_s=rng.uniform(0, beside), beside_s=beside, steps=4)
         sessions, spec = rng.choice([1, 2, 8, 32, 64]), rng.choice([SPEC, CHAIN])
         chosen = best_shape(estimates, sessions, spec, cost)
         assert chosen == weigh_shapes(estimates, sessions, spec, cost)
@@ -115,6 +118,38 @@ def test_rounds_where_no_draft_can_pay_skip_weighing_shapes_and_choose_the_same(
             cut_short += not can_pay(estimates, sessions, cost)
     assert 300 < skipped < 2700  # both kinds of round were drawn
     assert cut_short > 0.75 * skipped  # most rounds without a draft never weigh the shapes
+
+
+def test_decode_steps_make_a_round_without_a_draft_cheaper_and_trees_rarer():
+    # a third of a round besides the forward: with four steps a token costs a quarter of it
+    stepped = RoundCost(20.0, 1.0, outside_s=5.0, beside_s=10.0, steps=4)
+    single = replace(stepped, steps=1)
+    assert single.plain(8) == single.seconds(8, 0) == 33.0
+    assert stepped.plain(8) == 33.0 - 7.5
+    assert RoundCost(1.0, 0.0, beside_s=30.0, steps=4).plain(1) == 0.25  # never below a round / k
+    modest = rates(0.35)  # pays a round of a token at a time, not one of four steps
+    assert best_shape(modest, 8, SPEC, single) != (0, 0)
+    assert best_shape(modest, 8, SPEC, stepped) == (0, 0)
+    assert not can_pay(modest, 8, stepped)
+    assert best_shape(rates(0.8), 8, SPEC, stepped) != (0, 0)  # a good draft still pays
+
+
+def test_the_cost_fit_keeps_the_rounds_gaps_weighted_like_its_rounds():
+    fit = CostFit()
+    for n in [1, 17, 5]:
+        fit.observe(n, 0.030 + 0.001 * n, CONFIG)
+    assert (fit.line(CONFIG).outside_s, fit.line(CONFIG).beside_s) == (0.0, 0.0)  # none yet
+    for _ in range(200):
+        fit.observe_gaps(0.002, 0.004, CONFIG)
+    line = fit.line(CONFIG)
+    assert (line.outside_s, line.beside_s) == (pytest.approx(0.002), pytest.approx(0.004))
+    for _ in range(200):  # a batch of four calls a forward weighs as one round
+        for _ in range(4):
+            fit.observe_gaps(0.006, 0.010, CONFIG, share=0.25)
+    line = fit.line(CONFIG)
+    assert line.outside_s == pytest.approx(0.006, rel=1e-3)
+    assert line.beside_s == pytest.approx(0.010, rel=1e-3)
+    assert line.seconds(1, 0) == pytest.approx(0.031 + 0.006, rel=0.05)
 
 
 def test_adapt_keeps_the_shape_within_the_configured_tree():

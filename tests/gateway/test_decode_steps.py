@@ -4,7 +4,9 @@ seeded sampling, as with a token a round; the stream's provenance counts the for
 
 from openai import OpenAI
 
-from tests.gateway.helpers import MODEL, live, target
+from gateway.app import create_app
+from tests.gateway.helpers import MODEL, LiveGateway, live, load_engine, settings, target
+from tests.gateway.test_hybrid import grpc_workers
 from tests.gateway.test_provenance import ASK, STATS
 
 CHAT = [{"role": "user", "content": "Tell me about the sea and the ships on it."}]
@@ -78,3 +80,19 @@ def test_a_session_whose_drafts_are_accepted_looks_up_every_token(tiny_dir):
             assert unaccepted >= 8 and not r["tree_nodes"]
         unaccepted = 0 if r["accepted"] else unaccepted + r["tokens"]
     assert any(r["accepted"] for r in rounds)
+
+
+def test_the_gateway_learns_what_a_round_spends_besides_the_targets_forward(tiny_dir):
+    """Over a real gRPC target, the one-forward rounds teach the target's cost what a round
+    spends outside the call's work and besides the forward (gateway.adaptive.RoundCost),
+    what a round of decode steps pays once: adaptive trees weigh no draft with it."""
+    with grpc_workers({"target": load_engine(tiny_dir)}) as addresses:
+        config = settings(tiny_dir, [addresses["target"]], insecure=True, decode_steps=4)
+        with LiveGateway(create_app(config)) as gateway:
+            client = OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+            for _ in range(2):
+                rounds = rounds_of(streamed(client, CHAT, 40, {}))
+            cost = gateway.gateway.router.targets.workers[addresses["target"]].cost
+    assert any(r["forwards"] == 1 for r in rounds[1:])  # one-forward rounds past the first
+    weight, outside, beside = cost.gaps
+    assert weight > 0 and 0 < outside <= beside

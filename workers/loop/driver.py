@@ -234,14 +234,19 @@ class Loop:
         round: its text depends on where its trees hang, and where a round of steps ends
         depends on the worker's forwards (workers/target/runner.py), which the seed does
         not fix (without a draft, each token is its position's draw either way)."""
-        if self.steps <= 1 or len(tree) or self.target.held < len(self.history):
+        if len(tree) or self.target.held < len(self.history):
             return 1
+        return max(1, min(self.stepping, self.state.remaining))
+
+    @property
+    def stepping(self) -> int:
+        """The steps a round of this session without a draft may take (`decode_steps`)."""
         if self.draft.worker is not None and self.draft.worker.feature_size:
             return 1
         params = self.state.plan.params
         if self.route.drafts and params.seed is not None and not params.greedy:
             return 1
-        return max(1, min(self.steps, self.state.remaining))
+        return max(1, self.steps)
 
     def tree_spec(self, extra: int = 0) -> TreeSpec | None:
         """This round's tree: shaped, no deeper than wanted, within the target's limit."""
