@@ -34,7 +34,15 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from gateway.adaptive import AdaptiveConfig, Rates, RatesByMatch, RoundCost, RoundShape, adapt
+from gateway.adaptive import (
+    AdaptiveConfig,
+    Rates,
+    RatesByMatch,
+    RoundCost,
+    RoundShape,
+    adapt,
+    best_shape,
+)
 from gateway.errors import APIError
 from gateway.hangs import Hung
 from gateway.metrics import Metrics
@@ -295,12 +303,31 @@ class Speculation(Loop):
 
     def decode_steps(self, tree: TokenTree) -> int:
         """`Loop.decode_steps` once the session's drafts have gone unaccepted for twice the
-        steps' tokens; until then a token a round, as text that copies its prompt gets a
-        draft accepted every few tokens, and a round of steps would skip the lookups (and
-        the copied span) of its tokens (bench/RESULTS.md, "Decode steps")."""
-        if self.route.drafts and self.unaccepted < 2 * self.steps:
+        steps' tokens, or no draft could pay (adaptive trees: the target's load and cost
+        and the acceptance of every kind of round, `drafts_may_pay`); until then a token a
+        round, as text that copies its prompt gets a draft accepted every few tokens, and
+        a round of steps would skip the lookups (and the copied span) of its tokens
+        (bench/RESULTS.md, "Decode steps")."""
+        if self.route.drafts and self.unaccepted < 2 * self.steps and self.drafts_may_pay():
             return 1
         return super().decode_steps(tree)
+
+    def drafts_may_pay(self) -> bool:
+        """Whether a draft of any kind (an n-gram draft's: any match length) would beat
+        decoding without one now (`gateway.adaptive.best_shape`); True with fixed trees. A
+        kind the session has not drafted is weighed at every session's recent rates."""
+        if self.options.adaptive is None:
+            return True
+        ngram = self.drafter == "ngram" and not self.options.overlap  # as `match_kind`
+        kinds = range(1, len(self.by_match.kinds)) if ngram else (0,)
+        cost, load, spec = self.round_cost, self.load, self.state.plan.spec
+        for kind in kinds:
+            rates = self.by_match[kind]
+            if not rates.measured and self.recent is not None:
+                rates = self.recent[kind]
+            if best_shape(rates, load, spec, cost) != (0, 0):
+                return True
+        return False
 
     # --- hybrid trees ------------------------------------------------------------------
 

@@ -5,7 +5,15 @@ seeded sampling, as with a token a round; the stream's provenance counts the for
 from openai import OpenAI
 
 from gateway.app import create_app
-from tests.gateway.helpers import MODEL, LiveGateway, live, load_engine, settings, target
+from tests.gateway.helpers import (
+    MODEL,
+    LiveGateway,
+    live,
+    load_engine,
+    settings,
+    slow_target,
+    target,
+)
 from tests.gateway.test_hybrid import grpc_workers
 from tests.gateway.test_provenance import ASK, STATS
 
@@ -24,6 +32,10 @@ def streamed(client, messages: list[dict], max_tokens: int, extra: dict) -> list
         extra_body=extra,
     )
     return list(chunks)
+
+
+def text_of(chunks) -> str:
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
 def rounds_of(chunks) -> list[dict]:
@@ -80,6 +92,23 @@ def test_a_session_whose_drafts_are_accepted_looks_up_every_token(tiny_dir):
             assert unaccepted >= 8 and not r["tree_nodes"]
         unaccepted = 0 if r["accepted"] else unaccepted + r["tokens"]
     assert any(r["accepted"] for r in rounds)
+
+
+def test_a_session_steps_at_once_where_no_draft_can_pay(tiny_dir):
+    """On a target where every token fed costs 20 ms (compute-bound), once the cost is
+    measured no draft pays: the session decodes several tokens a round without waiting for
+    8 unaccepted ones, and its text is the target's own."""
+    copy = "one two three four five six seven eight nine ten " * 3
+    messages = [{"role": "user", "content": copy}]
+    slow = slow_target(tiny_dir, "t0", 0.0, token_delay=0.020)
+    with live(tiny_dir, [slow], decode_steps=4, suffix_cache_tokens=0) as gateway:
+        client = OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+        chunks = streamed(client, messages, 48, {})
+        off = streamed(client, messages, 48, {"speculation": {"method": "off"}})
+    assert text_of(chunks) == text_of(off)
+    rounds = rounds_of(chunks)
+    stepped = [i for i, r in enumerate(rounds) if r["forwards"] > 1]
+    assert stepped and sum(r["tokens"] for r in rounds[: stepped[0]]) < 8
 
 
 def test_the_gateway_learns_what_a_round_spends_besides_the_targets_forward(tiny_dir):
