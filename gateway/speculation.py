@@ -219,7 +219,8 @@ class Speculation(Loop):
         self.kind = kind
         if self.recent is not None:
             self.rates.follow(self.recent[kind])
-        return adapt(spec, self.rates, self.load, self.round_cost, self.options.adaptive)
+        cost = self.round_cost(self.plain_steps())  # what the round would be without a draft
+        return adapt(spec, self.rates, self.load, cost, self.options.adaptive)
 
     @property
     def rates(self) -> Rates:
@@ -249,13 +250,13 @@ class Speculation(Loop):
     def load(self) -> int:
         return self.target.worker.load if self.target.worker else 1
 
-    @property
-    def round_cost(self) -> RoundCost:
-        """The bound target's fitted round cost plus this session's draft time per level."""
+    def round_cost(self, steps: int) -> RoundCost:
+        """The bound target's fitted round cost plus this session's draft time per level,
+        for rounds without a draft of `steps` tokens."""
         worker = self.target.worker
         if worker is None or worker.cost.weight <= 0:
             return RoundCost.prior(self.config)  # unmeasured: in token units, draft time unknown
-        return replace(worker.cost.line(self.config), level_s=self.level_s, steps=self.stepping)
+        return replace(worker.cost.line(self.config), level_s=self.level_s, steps=steps)
 
     @property
     def expected_accepted(self) -> float:
@@ -301,16 +302,16 @@ class Speculation(Loop):
         min_match = self.options.ngram_min_match
         return lookup_tree(index, spec, self.suffixes, plan.tenant, min_match), False
 
-    def decode_steps(self, tree: TokenTree) -> int:
-        """`Loop.decode_steps` once the session's drafts have gone unaccepted for twice the
-        steps' tokens, or no draft could pay (adaptive trees: the target's load and cost
-        and the acceptance of every kind of round, `drafts_may_pay`); until then a token a
-        round, as text that copies its prompt gets a draft accepted every few tokens, and
-        a round of steps would skip the lookups (and the copied span) of its tokens
-        (bench/RESULTS.md, "Decode steps")."""
-        if self.route.drafts and self.unaccepted < 2 * self.steps and self.drafts_may_pay():
-            return 1
-        return super().decode_steps(tree)
+    def plain_steps(self) -> int:
+        """`Loop.plain_steps` once the session's drafts have gone unaccepted for twice the
+        steps' tokens, or no draft would pay against rounds of steps (adaptive trees:
+        `drafts_may_pay`); until then a token a round, as text that copies its prompt gets
+        a draft accepted every few tokens, and a round of steps would skip the lookups
+        (and the copied span) of its tokens (bench/RESULTS.md, "Decode steps")."""
+        stepping = self.stepping
+        if stepping > 1 and self.route.drafts and self.unaccepted < 2 * self.steps:
+            return 1 if self.drafts_may_pay() else stepping
+        return stepping
 
     def drafts_may_pay(self) -> bool:
         """Whether a draft of any kind (an n-gram draft's: any match length) would beat
@@ -319,8 +320,8 @@ class Speculation(Loop):
         if self.options.adaptive is None:
             return True
         ngram = self.drafter == "ngram" and not self.options.overlap  # as `match_kind`
-        kinds = range(1, len(self.by_match.kinds)) if ngram else (0,)
-        cost, load, spec = self.round_cost, self.load, self.state.plan.spec
+        kinds = range(len(self.by_match.kinds) - 1, 0, -1) if ngram else (0,)  # longest first
+        cost, load, spec = self.round_cost(self.stepping), self.load, self.state.plan.spec
         for kind in kinds:
             rates = self.by_match[kind]
             if not rates.measured and self.recent is not None:

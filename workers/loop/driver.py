@@ -236,17 +236,22 @@ class Loop:
         not fix (without a draft, each token is its position's draw either way)."""
         if len(tree) or self.target.held < len(self.history):
             return 1
-        return max(1, min(self.stepping, self.state.remaining))
+        return max(1, min(self.plain_steps(), self.state.remaining))
+
+    def plain_steps(self) -> int:
+        """The steps a round of this session without a draft takes now (`decode_steps`);
+        the gateway keeps a token a round while its drafts pay."""
+        return self.stepping
 
     @property
     def stepping(self) -> int:
         """The steps a round of this session without a draft may take (`decode_steps`)."""
-        if self.draft.worker is not None and self.draft.worker.feature_size:
+        if self.steps <= 1 or (self.draft.worker is not None and self.draft.worker.feature_size):
             return 1
         params = self.state.plan.params
         if self.route.drafts and params.seed is not None and not params.greedy:
             return 1
-        return max(1, self.steps)
+        return self.steps
 
     def tree_spec(self, extra: int = 0) -> TreeSpec | None:
         """This round's tree: shaped, no deeper than wanted, within the target's limit."""
