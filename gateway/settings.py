@@ -73,9 +73,9 @@ class GatewayOptions(BaseSettings):
         description="a round that drafts nothing (speculation off, a draft that does not pay "
         "or is down) has the target decode up to this many tokens in a row before it answers, "
         "so its next forward does not wait for the session's round trip (vLLM's multi-step "
-        "scheduling); streamed that many at a time; not the first token, nor before a "
-        "session's drafts have gone unaccepted for twice this many tokens, nor in a seeded "
-        "sampled request that drafts; 1 = a token a round",
+        "scheduling); streamed that many at a time; not the first token, nor in a seeded "
+        "sampled request that drafts, nor while a session's drafts would pay against such "
+        "rounds and one was accepted in the last twice this many tokens; 1 = a token a round",
     )
     allow_lossy: bool = Field(
         False,

@@ -1,7 +1,8 @@
-"""The target worker's steps during default and off waves at N chat streams (one serve).
+"""The target worker's steps during default and off waves at N streams (one serve).
 
 Usage, from a clone of the commit measured: `PYTHONPATH=$PWD python steps.py STREAMS PAIRS
-[REQUESTS]` (REQUESTS: each stream's requests a wave, at least; 2 unless given).
+[REQUESTS [WORKLOAD]]` (REQUESTS: each stream's requests a wave, at least; 2 unless given;
+WORKLOAD: chat unless given).
 """
 
 import asyncio
@@ -56,7 +57,7 @@ def scrape(ports: list[int]) -> dict[str, float] | None:
 
 async def waves(url: str, pid: int, s: PairedBenchSettings, pairs: int) -> None:
     streams = int(s.streams)
-    conversations = messages("chat", 16)
+    conversations = messages(s.workload, 16)
     await run_wave(url, conversations, s, streams, "auto", None)
     await run_wave(url, conversations, s, streams, "off", None)
     ports = metrics_ports(pid)
@@ -81,8 +82,9 @@ async def waves(url: str, pid: int, s: PairedBenchSettings, pairs: int) -> None:
 def main() -> None:
     streams, pairs = int(sys.argv[1]), int(sys.argv[2])
     requests = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    workload = sys.argv[4] if len(sys.argv) > 4 else "chat"
     s = PairedBenchSettings(
-        workload="chat", prompts=16, streams=str(streams), requests_per_stream=requests
+        workload=workload, prompts=16, streams=str(streams), requests_per_stream=requests
     )
     with ServeProcess(serve_args(s, streams)) as serve:
         asyncio.run(waves(serve.url, serve.process.pid, s, pairs))
