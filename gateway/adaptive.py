@@ -143,8 +143,8 @@ class RoundCost:
     # the round's time outside the call's work: the gateway's turn (commit, stream, the next
     # call) and the call's wait in the target's queue for the other sessions' calls
     outside_s: float = 0.0
-    # of a one-token round without a draft, the time besides the target's forward (the
-    # outside time and the call's transit): a round of decode steps pays it once
+    # of a round of one forward, the time besides the target's forward (the outside time
+    # and the call's transit): a round of decode steps pays it once for its forwards
     beside_s: float = 0.0
     steps: int = 1  # the tokens a round without a draft decodes (VerifyCall.steps)
 
@@ -182,7 +182,8 @@ class CostFit:
     tokens2: float = 0.0  # sum of w * n^2
     seconds: float = 0.0  # sum of w * t
     product: float = 0.0  # sum of w * n * t
-    # one-token rounds without a draft, weighted alike: sums of w, w * outside_s, w * beside_s
+    # one-forward rounds' gaps (`observe_gaps`), weighted alike: sums of w, w * outside_s,
+    # w * beside_s
     gaps: tuple[float, float, float] = (0.0, 0.0, 0.0)
     # the last line and the config it was fitted with: every session of a batch asks for
     # it between the batch's answers (each observed) and its next forward
@@ -207,8 +208,8 @@ class CostFit:
     def observe_gaps(
         self, outside_s: float, beside_s: float, config: AdaptiveConfig, share: float = 1.0
     ) -> None:
-        """One call's one-token round: its seconds outside the call's work and besides the
-        target's forward (`RoundCost`), weighing `share` of a round as in `observe`."""
+        """One call's round of one forward: its seconds outside the call's work and besides
+        the target's forward (`RoundCost`), weighing `share` of a round as in `observe`."""
         if outside_s < 0 or beside_s < 0 or share <= 0:
             return
         self.fitted = None

@@ -190,7 +190,7 @@ class Speculation(Loop):
         self.local_nodes = 0  # of this round's tree, the nodes of its n-gram part
         self.suffix = SuffixIndex()  # the history so far (`indexed`): match lengths, lookups
         self.quiet = 0  # rounds left without a draft since the target cut a whole tree
-        # tokens committed since a round's draft was last accepted (`decode_steps`)
+        # tokens committed since a round's draft was last accepted (`plain_steps`)
         self.unaccepted = 0
         self.answered: tuple[float, Worker | None] | None = None  # the last verify's: when, by
         self.cycle_s = 0.0  # seconds from the verify before to the last (0: another target's)
