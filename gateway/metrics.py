@@ -1,8 +1,9 @@
 """Prometheus metrics of the gateway, on its own CollectorRegistry (no global state).
 
 Labels are bounded: endpoint and status come from a fixed set of routes and
-codes, phase from {draft, verify, gateway}, parts from {ngram, model, both}, position is capped at
-MAX_POSITION, role + address are bounded by the worker pools. No session ids.
+codes, phase from {draft, verify, gateway}, parts from {ngram, model, both} and the round
+cost's from COST_PARTS, position is capped at MAX_POSITION, role + address are bounded by
+the worker pools. No session ids.
 
 Speculation is exported as counters so that rates are PromQL over them:
 
@@ -27,6 +28,10 @@ Speculation is exported as counters so that rates are PromQL over them:
     sum(rate(specsplit_degraded_rounds_total[5m]))
       / sum(rate(specsplit_verify_steps_total[5m]))
 
+    # what decode steps (4) save a round without a draft, per target, in seconds: three
+    # quarters of the time a one-forward round spends besides the forward
+    0.75 * max by (address) (specsplit_target_round_cost_seconds{part="beside"})
+
     # p95 time to first token
     histogram_quantile(0.95,
       sum by (le) (rate(specsplit_time_to_first_token_seconds_bucket[5m])))
@@ -40,10 +45,12 @@ Speculation is exported as counters so that rates are PromQL over them:
 
 from __future__ import annotations
 
+import contextlib
 from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from gateway.adaptive import RoundCost
 from workers.protocol import Role
 
 # request path -> `endpoint` label; any other path is "other"
@@ -60,6 +67,7 @@ GENERATION_STATUSES = ("200", "400", "401", "404", "413", "429", "500", "503")
 PHASES = ("draft", "verify", "gateway")  # of one speculation round
 # what a hybrid round's tree held: the gateway's n-gram nodes, the model's, or both
 HYBRID_PARTS = ("ngram", "model", "both")
+COST_PARTS = ("fixed", "token", "outside", "beside")  # of a target's RoundCost
 ROLES: tuple[Role, ...] = get_args(Role)
 
 MAX_POSITION = 16  # accepted-per-position label values run 0..MAX_POSITION ("16" = 16 and deeper)
@@ -155,6 +163,16 @@ class Metrics:
             "specsplit_worker_up",
             "1 when the worker passes health checks",
             ["role", "address"],
+            registry=r,
+        )
+        self.target_round_cost = Gauge(
+            "specsplit_target_round_cost_seconds",
+            "A target worker's round cost as the adaptive trees read it "
+            "(gateway/adaptive.py RoundCost): part=fixed (a, a call whatever it feeds), "
+            "token (b, each token its batch feeds), outside (a round's time outside the "
+            "call's work), beside (a one-forward round's time besides the forward, what a "
+            "round of decode steps pays once)",
+            ["address", "part"],
             registry=r,
         )
         self.hybrid_rounds = Counter(
@@ -253,6 +271,19 @@ class Metrics:
         if prefix_hit > 0:
             self.prefix_cache_hits.inc()
             self.prefix_cache_hit_tokens.inc(prefix_hit)
+
+    def observe_round_cost(self, address: str, cost: RoundCost) -> None:
+        """A target's round cost, as the adaptive trees read it."""
+        seconds = (cost.fixed_s, cost.token_s, cost.outside_s, cost.beside_s)
+        parts = zip(COST_PARTS, seconds, strict=True)
+        for part, value in parts:
+            self.target_round_cost.labels(address, part).set(value)
+
+    def forget_round_cost(self, address: str) -> None:
+        """A target that left the pool."""
+        for part in COST_PARTS:
+            with contextlib.suppress(KeyError):
+                self.target_round_cost.remove(address, part)
 
     def observe_hybrid(self, ngram_nodes: int, model_nodes: int) -> None:
         """A hybrid round's tree: its nodes from the n-gram part and those the model added."""

@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from gateway.adaptive import CostFit
+from gateway.adaptive import AdaptiveConfig, CostFit
 from gateway.errors import APIError
 from gateway.hangs import CallTimes
 from gateway.metrics import Metrics
@@ -127,6 +127,7 @@ class Pool:
         health_interval_s: float = 2.0,
         dns_refresh_s: float = 30.0,
         resolver=resolve_address,
+        adaptive: AdaptiveConfig | None = None,
     ):
         self.role = role
         self.addresses = addresses  # as configured (names or host:port)
@@ -136,6 +137,9 @@ class Pool:
         self.health_interval_s = health_interval_s
         self.dns_refresh_s = dns_refresh_s
         self.resolver = resolver
+        # the adaptive trees' config: each health check exports a target's round cost as
+        # they read it (`Metrics.observe_round_cost`); None: not exported (fixed trees)
+        self.adaptive = adaptive
         self.resolved: dict[str, list[str]] = {}  # configured address -> last resolution
         self.workers: dict[str, Worker] = {}
         self.task: asyncio.Task | None = None
@@ -175,6 +179,7 @@ class Pool:
             worker = self.workers.pop(address)
             worker.up = False
             self.metrics.worker_up.remove(self.role, address)
+            self.metrics.forget_round_cost(address)
             log.info("%s worker %s left the pool", self.role, address)
             with contextlib.suppress(Exception):
                 await worker.backend.close()
@@ -199,6 +204,8 @@ class Pool:
         worker.up = up
         worker.ever_up |= up
         self.metrics.worker_up.labels(self.role, worker.address).set(1 if worker.serving else 0)
+        if self.adaptive is not None and worker.cost.weight > 0:  # a measured target's
+            self.metrics.observe_round_cost(worker.address, worker.cost.line(self.adaptive))
 
     def compatible(self, worker: Worker) -> bool:
         if worker.info is None or worker.info.pairs_with(self.fingerprint):

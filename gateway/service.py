@@ -71,6 +71,8 @@ class Gateway:
         tokenizer = await asyncio.to_thread(load_target_tokenizer, settings.target_model)
         fingerprint = tokenizer_fingerprint(tokenizer)
 
+        options = settings.loop_options
+
         def pool(role, addresses, make=factory) -> Pool:
             return Pool(
                 role,
@@ -80,6 +82,7 @@ class Gateway:
                 fingerprint,
                 settings.health_interval_s,
                 settings.dns_refresh_s,
+                adaptive=options.adaptive if role == "target" else None,
             )
 
         targets = pool("target", split_addresses(settings.target_addresses))
@@ -107,7 +110,7 @@ class Gateway:
             ngram=ngram if drafts is not ngram else None,
         )
         await asyncio.gather(*(p.start() for p in router.pools()))
-        generator = Generator(router, tokenizer, metrics, settings.loop_options, suffixes)
+        generator = Generator(router, tokenizer, metrics, options, suffixes)
         return cls(settings, tokenizer, router, metrics, generator, int(time.time()))
 
     async def close(self) -> None:

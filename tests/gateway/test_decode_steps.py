@@ -2,6 +2,8 @@
 target decode several tokens in a row, and the client gets the same text, greedy or
 seeded sampling, as with a token a round; the stream's provenance counts the forwards."""
 
+import httpx
+import pytest
 from openai import OpenAI
 
 from gateway.app import create_app
@@ -10,9 +12,11 @@ from tests.gateway.helpers import (
     LiveGateway,
     live,
     load_engine,
+    sample,
     settings,
     slow_target,
     target,
+    wait_until,
 )
 from tests.gateway.test_hybrid import grpc_workers
 from tests.gateway.test_provenance import ASK, STATS
@@ -114,14 +118,28 @@ def test_a_session_steps_at_once_where_no_draft_can_pay(tiny_dir):
 def test_the_gateway_learns_what_a_round_spends_besides_the_targets_forward(tiny_dir):
     """Over a real gRPC target, the one-forward rounds teach the target's cost what a round
     spends outside the call's work and besides the forward (gateway.adaptive.RoundCost),
-    what a round of decode steps pays once: adaptive trees weigh no draft with it."""
+    what a round of decode steps pays once: adaptive trees weigh no draft with it. The
+    gateway exports the cost as its trees read it, by part."""
     with grpc_workers({"target": load_engine(tiny_dir)}) as addresses:
-        config = settings(tiny_dir, [addresses["target"]], insecure=True, decode_steps=4)
+        address = addresses["target"]
+        config = settings(tiny_dir, [address], insecure=True, decode_steps=4, health_interval_s=0.1)
         with LiveGateway(create_app(config)) as gateway:
             client = OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
             for _ in range(2):
                 rounds = rounds_of(streamed(client, CHAT, 40, {}))
-            cost = gateway.gateway.router.targets.workers[addresses["target"]].cost
+            cost = gateway.gateway.router.targets.workers[address].cost
+            series = f'specsplit_target_round_cost_seconds{{address="{address}",part="%s"}}'
+            parts = ("fixed", "token", "outside", "beside")
+
+            def exported() -> dict[str, float | None]:
+                text = httpx.get(gateway.url + "/metrics").text
+                return {part: sample(text, series % part) for part in parts}
+
+            line = cost.line(gateway.gateway.router.targets.adaptive)  # no traffic now
+            seconds = (line.fixed_s, line.token_s, line.outside_s, line.beside_s)
+            expected = pytest.approx(dict(zip(parts, seconds, strict=True)))
+            wait_until(lambda: exported() == expected, what="the round cost exported")
     assert any(r["forwards"] == 1 for r in rounds[1:])  # one-forward rounds past the first
     weight, outside, beside = cost.gaps
     assert weight > 0 and 0 < outside <= beside
+    assert (line.outside_s, line.beside_s) == (outside / weight, beside / weight)
