@@ -9,7 +9,10 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.adaptive import AdaptiveConfig
 from gateway.metrics import Metrics
 from gateway.pool import Pool, resolve_address
 from tests.gateway.helpers import (
@@ -379,16 +382,36 @@ async def test_dns_names_are_re_resolved():
     async def resolver(address: str) -> list[str]:
         return answers[address]
 
+    metrics, config = Metrics(), AdaptiveConfig()
     pool = Pool(
-        "target", ["targets.svc:50061"], lambda r, a: FakeBackend(a), Metrics(), resolver=resolver
+        "target",
+        ["targets.svc:50061"],
+        lambda r, a: FakeBackend(a),
+        metrics,
+        resolver=resolver,
+        adaptive=config,
     )
     await pool.refresh()
+    for worker in pool.workers.values():  # measured targets: their round cost is exported
+        worker.cost.observe(8, 0.02, config)
     await pool.check_all()
     assert sorted(pool.workers) == ["10.0.0.1:50061", "10.0.0.2:50061"]
     assert all(w.serving for w in pool.workers.values())
+
+    def costs() -> set[str]:
+        text = generate_latest(metrics.registry).decode()
+        return {
+            s.labels["address"]
+            for f in text_string_to_metric_families(text)
+            if f.name == "specsplit_target_round_cost_seconds"
+            for s in f.samples
+        }
+
+    assert costs() == {"10.0.0.1:50061", "10.0.0.2:50061"}
     answers["targets.svc:50061"] = ["10.0.0.2:50061", "10.0.0.3:50061"]  # a pod replaced
     await pool.refresh()
     assert sorted(pool.workers) == ["10.0.0.2:50061", "10.0.0.3:50061"]
+    assert costs() == {"10.0.0.2:50061"}  # the pod gone, and its cost; the new one unmeasured
     await pool.close()
 
 
