@@ -330,10 +330,12 @@ def test_adaptive_trees_do_not_change_the_output(greedy_texts):
     assert sum(s["accepted_tokens"] for s in stats) > 0
 
 
-def session(recent: Rates, prompt: tuple[int, ...] = (1, 2, 3), ngram: bool = False):
+def session(
+    recent: Rates, prompt: tuple[int, ...] = (1, 2, 3), ngram: bool = False, steps: int = 1
+):
     """A session's Speculation that starts from `recent` (for kind 0: no n-gram draft; with
-    `ngram`, for every kind of n-gram round) with `prompt` as its history, no target bound
-    and, with `ngram`, an n-gram draft."""
+    `ngram`, for every kind of n-gram round) with `prompt` as its history, no target bound,
+    `steps` decode steps and, with `ngram`, an n-gram draft."""
     from types import SimpleNamespace
 
     from gateway.metrics import Metrics
@@ -342,13 +344,16 @@ def session(recent: Rates, prompt: tuple[int, ...] = (1, 2, 3), ngram: bool = Fa
     from workers.speculation.sampling import SamplingParams
 
     class Router:
+        drafts = "the deployment's drafts"
+
         def session_id(self, key, index):
             return f"s{index}"
 
     plan = Plan(list(prompt), 8, SamplingParams(), SPEC, frozenset())
     kinds = RatesByMatch.prior(CONFIG).kinds
     by_match = RatesByMatch([recent.fresh() for _ in kinds] if ngram else [recent, *kinds[1:]])
-    speculation = Speculation(Router(), plan, Metrics(), None, 0, LoopOptions(CONFIG), by_match)
+    options = LoopOptions(CONFIG, decode_steps=steps)
+    speculation = Speculation(Router(), plan, Metrics(), None, 0, options, by_match)
     if ngram:
         info = SimpleNamespace(model_id="ngram")
         speculation.draft.worker = SimpleNamespace(info=info, feature_size=0)
@@ -468,3 +473,24 @@ def test_a_tenants_cached_outputs_count_as_a_full_match():
     speculation.suffixes = SuffixCache(SuffixCacheConfig(1024, 4))
     speculation.suffixes.add(speculation.state.plan.tenant, [1], [7, 8, 9, 4, 2])
     assert speculation.match_kind() == 3
+
+
+@pytest.mark.parametrize("dear", [True, False], ids=["compute-bound", "fixed-cost"])
+def test_a_session_takes_steps_at_once_only_where_no_draft_would_pay(dear):
+    """With decode steps, a round without a draft decodes a token at a time only while some
+    kind of draft would beat rounds of steps (and one was accepted lately): on a target
+    whose every token fed costs as much as a round's fixed part, none would, and the
+    session steps at once after an accepted draft; on one whose round is mostly fixed cost
+    it keeps a lookup every token."""
+    from types import SimpleNamespace
+
+    speculation = session(rates(0.8), (5, 6, 7, 8, 5, 6, 7), ngram=True, steps=4)
+    fit = CostFit()
+    for n in [8, 24, 16, 40] * 10:
+        fit.observe(n, 0.010 * n if dear else 0.100 + 0.0001 * n, CONFIG)
+        fit.observe_gaps(0.002, 0.004, CONFIG)
+    speculation.target.worker = SimpleNamespace(cost=fit, load=8, max_tree_nodes=64)
+    speculation.unaccepted = 0  # a draft was just accepted
+    assert speculation.plain_steps() == (4 if dear else 1)
+    speculation.unaccepted = 8  # none for twice the steps' tokens: steps either way
+    assert speculation.plain_steps() == 4
