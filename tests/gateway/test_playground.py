@@ -33,6 +33,10 @@ def chromium() -> str:
 def server(tmp_path_factory, tiny_dir, tiny_draft_dir):
     args = ["--target-model", str(tiny_dir), "--served-model-name", "tiny"]
     args += ["--draft-model", str(tiny_draft_dir), "--api-keys", KEY]
+    # the page's runs must show draft tokens: fixed trees draft every round, where adaptive
+    # ones may find on a loaded machine that no draft beats rounds of decode steps (their
+    # policy has its own tests, tests/gateway/test_adaptive.py and test_decode_steps.py)
+    args += ["--no-adaptive-tree"]
     server = Serve(tmp_path_factory.mktemp("playground"), *args)
     try:
         server.wait_ready(120)
