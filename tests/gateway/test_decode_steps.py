@@ -67,6 +67,7 @@ def replies(tiny_dir, steps: int) -> tuple[list[str], list[dict]]:
     rounds = rounds_of(chunks)
     stats = chunks[-1].model_extra["speculation_stats"]
     assert sum(r["forwards"] for r in rounds) == stats["verify_steps"]
+    assert stats["rounds"] == len(rounds)  # a round trip each, however many steps it took
     assert sum(r["tokens"] for r in rounds) == chunks[-1].usage.completion_tokens
     return texts, rounds
 

@@ -26,6 +26,7 @@ def test_waves_take_turns_in_one_serve_and_answer_alike(tiny_dir):
     assert different_texts(point.waves) == []  # greedy: each prompt's answer in both modes
     assert all(w.figures.acceptance is None for w in point.of("off"))  # nothing drafted
     assert all(w.figures.tau == 1.0 for w in point.of("off"))
+    assert all(w.figures.tokens_per_round >= 1.0 for w in point.waves)
     assert len(point.ratios()) == 2 and all(r > 0 for r in point.ratios())
     row = table([point])[-1]
     assert row.startswith("| 2 |") and row.endswith("| yes |")

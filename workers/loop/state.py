@@ -45,6 +45,7 @@ class Counters:
     draft_tokens: int = 0  # tree nodes sent to verification
     accepted_tokens: int = 0  # tree nodes the target accepted
     verify_steps: int = 0  # target forwards that committed tokens (a round's, or its steps)
+    rounds: int = 0  # verify calls: round trips to the target, whatever they committed
     emitted_tokens: int = 0  # accepted + bonus tokens
     degraded_rounds: int = 0  # rounds without a draft because none answered
     prefix_hit_tokens: int = 0  # cached prompt tokens a target reused on (re)start
@@ -141,6 +142,7 @@ class LoopState:
         c.draft_tokens += len(tree)
         c.accepted_tokens += len(outcome.accepted)
         c.verify_steps += outcome.steps
+        c.rounds += 1
         c.emitted_tokens += len(outcome.emitted)
         c.degraded_rounds += degraded
         c.prefix_hit_tokens += outcome.prefix_hit

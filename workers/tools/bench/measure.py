@@ -10,8 +10,9 @@ speculation counters. A `Figures` summary pools requests:
 - inter-token latency: each chunk's gap after the previous one divided by
   its tokens, counted once per token (a speculative round that brings 6
   tokens after 120 ms is six tokens at 20 ms), p50 and p99 over all tokens;
-- tau: tokens per target forward (accepted draft tokens + the bonus), and the
-  acceptance rate (accepted / proposed draft tokens), from the counters.
+- tau: tokens per target forward (accepted draft tokens + the bonus), the
+  acceptance rate (accepted / proposed draft tokens) and tokens per round trip
+  (a verify call: one forward, or a round of decode steps), from the counters.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class Figures:
     tau: float | None
     acceptance: float | None
     lookahead_hit_rate: float | None
+    tokens_per_round: float | None = None
 
     @classmethod
     def of(cls, timed: list[Timed], wall_s: float) -> Figures:
@@ -87,7 +89,7 @@ class Figures:
         def total(key: str) -> int:
             return sum(s.get(key, 0) for s in stats)
 
-        steps, drafted = total("verify_steps"), total("draft_tokens")
+        steps, drafted, rounds = total("verify_steps"), total("draft_tokens"), total("rounds")
         looked = total("lookahead_hits") + total("lookahead_misses")
         ms = 1000.0
         return cls(
@@ -102,6 +104,7 @@ class Figures:
             tau=total("emitted_tokens") / steps if steps else None,
             acceptance=total("accepted_tokens") / drafted if drafted else None,
             lookahead_hit_rate=total("lookahead_hits") / looked if looked else None,
+            tokens_per_round=total("emitted_tokens") / rounds if rounds else None,
         )
 
 

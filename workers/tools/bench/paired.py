@@ -18,7 +18,8 @@ the same text in both modes (greedy).
 
 Prints, per point: each mode's median tokens/s over its waves, the median
 of the pairs' ratios (auto / off) with their spread, the pairs where auto
-was ahead, the default's tokens per target forward, and the CPU time the
+was ahead, the default's tokens per target forward, each mode's tokens per
+round trip to the target (its verify calls), and the CPU time the
 serve's gateway process and its workers spent per token in each mode
 (from /proc: these cores are shared, so what one spends the other waits for).
 """
@@ -112,6 +113,12 @@ class Point:
         taus = [w.figures.tau for w in self.of("auto") if w.figures.tau is not None]
         return statistics.median(taus) if taus else None
 
+    def tokens_per_round(self, mode: str) -> float:
+        """Median over the mode's waves of the tokens a round trip to the target brought
+        (decode steps bring several without a draft): where τ is 1.00 in both modes, the
+        same figure in both says they ran the same rounds."""
+        return statistics.median(w.figures.tokens_per_round or 0.0 for w in self.of(mode))
+
 
 def pair_order(pair: int) -> tuple[str, str]:
     """Which mode goes first in pair `pair`: they take turns, so neither always follows the
@@ -177,9 +184,9 @@ def measure(s: PairedBenchSettings) -> list[Point]:
 def table(points: list[Point]) -> list[str]:
     lines = [
         "| streams | off, tokens/s | the default, tokens/s | default / off, median of pairs "
-        "| pairs' range | default ahead | τ of the default | CPU ms a token, gateway, "
-        "off → default | workers | same texts |",
-        "|---:|---:|---:|---:|---|---:|---:|---|---|:---:|",
+        "| pairs' range | default ahead | τ of the default | tokens a round trip, off → default "
+        "| CPU ms a token, gateway, off → default | workers | same texts |",
+        "|---:|---:|---:|---:|---|---:|---:|---|---|---|:---:|",
     ]
     for point in points:
         ratios = point.ratios()
@@ -192,7 +199,9 @@ def table(points: list[Point]) -> list[str]:
         lines.append(
             f"| {point.streams} | {off:.1f} | {auto:.1f} | **{statistics.median(ratios):.2f}** "
             f"| {min(ratios):.2f}–{max(ratios):.2f} | {ahead} of {len(ratios)} "
-            f"| {'-' if tau is None else f'{tau:.2f}'} | {cpu[1]:.2f} → {cpu[0]:.2f} "
+            f"| {'-' if tau is None else f'{tau:.2f}'} "
+            f"| {point.tokens_per_round('off'):.2f} → {point.tokens_per_round('auto'):.2f} "
+            f"| {cpu[1]:.2f} → {cpu[0]:.2f} "
             f"| {cpu[3]:.2f} → {cpu[2]:.2f} | {same} |"
         )
     return lines
