@@ -37,6 +37,11 @@ forward's) comes once. Its tokens cost plain = a + b S + o - beside (1 - 1/k)
 each: where that time is a fair share of a round (a 2-core machine's gateway
 shares the target's cores), a tree must beat the steps, not a token a round.
 o and beside are weighted means over each target's rounds, with `cost_ewma`.
+A session whose drafts may pay keeps a token a round after an accepted draft
+(a lookup at every token, for text that copies its prompt) only while such
+rounds bring what rounds of steps would have in their time (`Pace`): on
+open-ended chat they mostly find no draft, and each then costs a round trip
+for one token.
 
 The shape maximises expected tokens per second of round time,
 E(D) / (a + b S (1 + N) + o + D * level_s) against 1 / plain for no draft,
@@ -109,6 +114,7 @@ class AdaptiveConfig:
     calibration_ewma: float = 0.02  # weight of the newest drafted round in the calibration
     # each drafted round pulls every other depth's calibration this far towards every depth's
     depth_relax: float = 0.002
+    pace_ewma: float = 0.1  # weight of the newest round of a token at a time in a `Pace`
 
     def __post_init__(self):
         if self.knee_tokens < 0 or not 0 < self.ewma <= 1 or not 0 <= self.prior_rate < 1:
@@ -123,11 +129,13 @@ class AdaptiveConfig:
             or self.prior_weight <= 0
             or not 0 < self.calibration_ewma <= 1
             or not 0 <= self.depth_relax <= 1
+            or not 0 < self.pace_ewma <= 1
         ):
             raise ValueError(
                 "need 0 < cost_ewma <= 1, prior_weight > 0, 0 < calibration_ewma <= 1, "
-                f"0 <= depth_relax <= 1; got {self.cost_ewma}, {self.prior_weight}, "
-                f"{self.calibration_ewma}, {self.depth_relax}"
+                f"0 <= depth_relax <= 1, 0 < pace_ewma <= 1; got {self.cost_ewma}, "
+                f"{self.prior_weight}, {self.calibration_ewma}, {self.depth_relax}, "
+                f"{self.pace_ewma}"
             )
 
 
@@ -386,14 +394,43 @@ class Rates:
 
 
 @dataclass
+class Pace:
+    """What rounds of a token at a time bring where decode steps were on offer: the
+    tokens they committed and the tokens rounds of steps would have committed in the same
+    time, as the cost model prices both (`par`: the round's seconds over a stepped token's),
+    exponentially weighted (`pace_ewma` for the newest round). Such rounds look a draft up
+    at every token; on text that copies its prompt the drafts they find more than pay for
+    the rest, on open-ended chat they mostly find none. Unmeasured, they pay."""
+
+    tokens: float = 0.0
+    par: float = 0.0
+
+    def observe(self, tokens: int, par: float, config: AdaptiveConfig) -> None:
+        if par <= 0:
+            return
+        if self.par <= 0:  # the first round: all there is to go on
+            self.tokens, self.par = float(tokens), par
+            return
+        w = config.pace_ewma
+        self.tokens += w * (tokens - self.tokens)
+        self.par += w * (par - self.par)
+
+    @property
+    def pays(self) -> bool:
+        return self.tokens >= self.par
+
+
+@dataclass
 class RatesByMatch:
     """Rates by the kind of round: an n-gram draft's by the length of the suffix its
     lookup matched (1 to MAX_NGRAM tokens; a round with no match drafts nothing), any
     other draft's all of kind 0. Each kind has its own estimates, calibration and probes;
     a shorter match starts from a proportionally lower prior (a 1-token match from a third
-    of `prior_rate`)."""
+    of `prior_rate`). Beside them, the pace of rounds of a token at a time (`Pace`), which
+    does not depend on the kind."""
 
     kinds: list[Rates]
+    pace: Pace = field(default_factory=Pace)
 
     @classmethod
     def prior(cls, config: AdaptiveConfig) -> RatesByMatch:
@@ -401,8 +438,8 @@ class RatesByMatch:
         return cls([Rates.prior(config, share) for share in shares])
 
     def fresh(self) -> RatesByMatch:
-        """A new session's: each kind's `Rates.fresh`."""
-        return RatesByMatch([rates.fresh() for rates in self.kinds])
+        """A new session's: each kind's `Rates.fresh`, and every session's pace so far."""
+        return RatesByMatch([rates.fresh() for rates in self.kinds], replace(self.pace))
 
     def __getitem__(self, kind: int) -> Rates:
         return self.kinds[kind]

@@ -305,12 +305,14 @@ class Speculation(Loop):
     def plain_steps(self) -> int:
         """`Loop.plain_steps` once the session's drafts have gone unaccepted for twice the
         steps' tokens, or no draft would pay against rounds of steps (adaptive trees:
-        `drafts_may_pay`); until then a token a round, as text that copies its prompt gets
-        a draft accepted every few tokens, and a round of steps would skip the lookups
-        (and the copied span) of its tokens (bench/RESULTS.md, "Decode steps")."""
+        `drafts_may_pay`), or its rounds of a token at a time have brought fewer tokens
+        than steps would have (`gateway.adaptive.Pace`); until then a token a round, as
+        text that copies its prompt gets a draft accepted every few tokens, and a round of
+        steps would skip the lookups (and the copied span) of its tokens (bench/RESULTS.md,
+        "Decode steps")."""
         stepping = self.stepping
         if stepping > 1 and self.route.drafts and self.unaccepted < 2 * self.steps:
-            return 1 if self.drafts_may_pay() else stepping
+            return 1 if self.by_match.pace.pays and self.drafts_may_pay() else stepping
         return stepping
 
     def drafts_may_pay(self) -> bool:
@@ -418,6 +420,7 @@ class Speculation(Loop):
             self.metrics.round_phase.labels("draft").observe(draft_s)
         self.metrics.round_phase.labels("verify").observe(verify_s)
         self.observe_cost(draft_s, verify_s)
+        self.observe_pace(tree, round_)
         if len(tree):
             path_depth = int(depths(tree.parents).max())
             best = spine(tree)
@@ -439,6 +442,31 @@ class Speculation(Loop):
         )
         if len(tree) and self.drafter == "hybrid":
             self.metrics.observe_hybrid(self.local_nodes, len(tree) - self.local_nodes)
+
+    def observe_pace(self, tree: TokenTree, round_: Round) -> None:
+        """A round of a token at a time past the session's first, where rounds without a
+        draft may take steps and they would save time (the target's rounds have taught
+        its cost their gaps: served workers), teaches its pace (`gateway.adaptive.Pace`)
+        and every session's: the tokens it committed against the stepped tokens its
+        modelled seconds were worth, both priced as the trees are (every session's round
+        alike)."""
+        stepping = self.stepping
+        if (
+            self.options.adaptive is None
+            or stepping <= 1
+            or round_.steps > 1
+            or self.cycle_s <= 0
+            or round_.finish_reason is not None
+        ):
+            return
+        load, depth = self.load, int(depths(tree.parents).max()) if len(tree) else 0
+        one, stepped = self.round_cost(1), self.round_cost(stepping).plain(load)
+        if stepped >= one.plain(load):  # steps save nothing: a lookup every token is free
+            return
+        par = one.seconds(load * (1 + len(tree)), depth) / stepped
+        self.by_match.pace.observe(len(round_.tokens), par, self.config)
+        if self.recent is not None and self.state.plan.acceptance.lossless:
+            self.recent.pace.observe(len(round_.tokens), par, self.config)
 
     def observe_cost(self, draft_s: float, verify_s: float) -> None:
         """Teaches the target's cost fit this round: its batch's tokens and seconds; and,

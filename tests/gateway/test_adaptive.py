@@ -494,3 +494,43 @@ def test_a_session_takes_steps_at_once_only_where_no_draft_would_pay(dear):
     assert speculation.plain_steps() == (4 if dear else 1)
     speculation.unaccepted = 8  # none for twice the steps' tokens: steps either way
     assert speculation.plain_steps() == 4
+
+
+def test_a_token_a_round_goes_on_only_while_it_brings_what_steps_would():
+    """After an accepted draft, a session whose drafts may pay keeps a token a round (a
+    lookup every token) while those rounds bring at least the tokens rounds of steps would
+    have in their time (`Pace`): rounds that find no draft bring one token each for more
+    than a stepped token's time, and the session, and every new one, steps; rounds whose
+    drafts bring several tokens bring the token a round back. Where steps save nothing
+    (no gaps learnt: in-process workers), those rounds teach nothing."""
+    from types import SimpleNamespace
+
+    from workers.loop.state import Round
+    from workers.speculation.tree import TokenTree
+
+    speculation = session(rates(0.8), (5, 6, 7, 8, 5, 6, 7), ngram=True, steps=4)
+    fit = CostFit()
+    for n in [8, 24, 16, 40] * 10:  # mostly fixed cost: drafts may pay
+        fit.observe(n, 0.100 + 0.0001 * n, CONFIG)
+        fit.observe_gaps(0.002, 0.040, CONFIG)  # steps save 30 ms of a ~100 ms token
+    speculation.target.worker = SimpleNamespace(cost=fit, load=8, max_tree_nodes=64)
+    speculation.cycle_s, speculation.unaccepted = 0.1, 0  # past its first round; accepted
+    assert speculation.plain_steps() == 1
+    nothing = Round([9], None, None)
+    for _ in range(3):
+        speculation.observe_pace(TokenTree.empty(), nothing)
+    assert speculation.plain_steps() == 4
+    assert speculation.recent.pace.par > speculation.recent.pace.tokens
+    assert speculation.recent.fresh().pace == speculation.recent.pace  # where new ones start
+    copied = Round([5, 6, 7, 8], None, None, drafted=3, accepted=3)
+    for _ in range(3):
+        speculation.observe_pace(TokenTree.chain([5, 6, 7]), copied)
+    assert speculation.plain_steps() == 1
+
+    free = CostFit()
+    for n in [8, 24, 16, 40] * 10:
+        free.observe(n, 0.100 + 0.0001 * n, CONFIG)
+    speculation.target.worker = SimpleNamespace(cost=free, load=8, max_tree_nodes=64)
+    before = replace(speculation.by_match.pace)
+    speculation.observe_pace(TokenTree.empty(), nothing)
+    assert speculation.by_match.pace == before
