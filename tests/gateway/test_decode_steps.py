@@ -116,6 +116,34 @@ def test_a_session_steps_at_once_where_no_draft_can_pay(tiny_dir):
     assert stepped and sum(r["tokens"] for r in rounds[: stepped[0]]) < 8
 
 
+def test_a_token_a_round_stops_where_it_brings_less_than_steps(tiny_dir):
+    """Over a real gRPC target (its rounds teach the time that steps save), a session's
+    rounds of a token at a time that bring fewer tokens than steps would have in their
+    time (the tiny model rarely takes a copied token) teach every session's pace
+    (`gateway.adaptive.Pace`), and the next request steps before 8 tokens have gone
+    unaccepted, with speculation off's text. (Which of the two rules stepped, the pace or
+    no draft paying, the unit test in test_adaptive.py tells apart.)"""
+    copy = [{"role": "user", "content": "one two three four five six seven eight nine ten " * 3}]
+    with grpc_workers({"target": load_engine(tiny_dir)}) as addresses:
+        config = settings(
+            tiny_dir, [addresses["target"]], insecure=True, decode_steps=4, suffix_cache_tokens=0
+        )
+        with LiveGateway(create_app(config)) as gateway:
+            client = OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+            streamed(client, copy, 48, {})
+            pace = gateway.gateway.generator.recent.pace
+            assert 0 < pace.tokens < pace.par  # measured, and short of what steps bring
+            chunks = streamed(client, copy, 48, {})
+            off = streamed(client, copy, 48, {"speculation": {"method": "off"}})
+    assert text_of(chunks) == text_of(off)
+    rounds, unaccepted = rounds_of(chunks), 0
+    for r in rounds[1:]:
+        if r["forwards"] > 1:
+            break
+        unaccepted = 0 if r["accepted"] else unaccepted + r["tokens"]
+    assert unaccepted < 8
+
+
 def test_the_gateway_learns_what_a_round_spends_besides_the_targets_forward(tiny_dir):
     """Over a real gRPC target, the one-forward rounds teach the target's cost what a round
     spends outside the call's work and besides the forward (gateway.adaptive.RoundCost),
