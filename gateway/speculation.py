@@ -192,6 +192,7 @@ class Speculation(Loop):
         self.quiet = 0  # rounds left without a draft since the target cut a whole tree
         # tokens committed since a round's draft was last accepted (`plain_steps`)
         self.unaccepted = 0
+        self.may_pay: tuple[int, bool] | None = None  # `drafts_may_pay` at a history length
         self.answered: tuple[float, Worker | None] | None = None  # the last verify's: when, by
         self.cycle_s = 0.0  # seconds from the verify before to the last (0: another target's)
 
@@ -318,9 +319,18 @@ class Speculation(Loop):
     def drafts_may_pay(self) -> bool:
         """Whether a draft of any kind (an n-gram draft's: any match length) would beat
         decoding without one now (`gateway.adaptive.best_shape`); True with fixed trees. A
-        kind the session has not drafted is weighed at every session's recent rates."""
+        kind the session has not drafted is weighed at every session's recent rates. Weighed
+        once a round (up to three `best_shape`s, ~65 µs each here): `shape` and
+        `Loop.decode_steps` both ask, and the history grows every round."""
         if self.options.adaptive is None:
             return True
+        at = len(self.history)
+        if self.may_pay is None or self.may_pay[0] != at:
+            self.may_pay = at, self.weigh_kinds()
+        return self.may_pay[1]
+
+    def weigh_kinds(self) -> bool:
+        """`drafts_may_pay`, weighed."""
         ngram = self.drafter == "ngram" and not self.options.overlap  # as `match_kind`
         kinds = range(len(self.by_match.kinds) - 1, 0, -1) if ngram else (0,)  # longest first
         cost, load, spec = self.round_cost(self.stepping), self.load, self.state.plan.spec
