@@ -430,9 +430,9 @@ class Speculation(Loop):
             self.metrics.round_phase.labels("draft").observe(draft_s)
         self.metrics.round_phase.labels("verify").observe(verify_s)
         self.observe_cost(draft_s, verify_s)
-        self.observe_pace(tree, round_)
+        path_depth = int(depths(tree.parents).max()) if len(tree) else 0
+        self.observe_pace(len(tree), path_depth, round_)
         if len(tree):
-            path_depth = int(depths(tree.parents).max())
             best = spine(tree)
             shape = RoundShape(path_depth, len(best), len(tree))
             on_spine = common_prefix(best, self.outcome.emitted) if self.outcome else 0
@@ -453,13 +453,13 @@ class Speculation(Loop):
         if len(tree) and self.drafter == "hybrid":
             self.metrics.observe_hybrid(self.local_nodes, len(tree) - self.local_nodes)
 
-    def observe_pace(self, tree: TokenTree, round_: Round) -> None:
-        """A round of a token at a time past the session's first, where rounds without a
-        draft may take steps and they would save time (the target's rounds have taught
-        its cost their gaps: served workers), teaches its pace (`gateway.adaptive.Pace`)
-        and every session's: the tokens it committed against the stepped tokens its
-        modelled seconds were worth, both priced as the trees are (every session's round
-        alike)."""
+    def observe_pace(self, nodes: int, depth: int, round_: Round) -> None:
+        """A round of a token at a time (its tree's `nodes` and `depth`; 0 without a draft)
+        past the session's first, where rounds without a draft may take steps and they
+        would save time (the target's rounds have taught its cost their gaps: served
+        workers), teaches its pace (`gateway.adaptive.Pace`) and every session's: the
+        tokens it committed against the stepped tokens its modelled seconds were worth,
+        both priced as the trees are (every session's round alike)."""
         stepping = self.stepping
         if (
             self.options.adaptive is None
@@ -469,11 +469,11 @@ class Speculation(Loop):
             or round_.finish_reason is not None
         ):
             return
-        load, depth = self.load, int(depths(tree.parents).max()) if len(tree) else 0
-        one, stepped = self.round_cost(1), self.round_cost(stepping).plain(load)
+        load, one = self.load, self.round_cost(1)
+        stepped = replace(one, steps=stepping).plain(load)
         if stepped >= one.plain(load):  # steps save nothing: a lookup every token is free
             return
-        par = one.seconds(load * (1 + len(tree)), depth) / stepped
+        par = one.seconds(load * (1 + nodes), depth) / stepped
         self.by_match.pace.observe(len(round_.tokens), par, self.config)
         if self.recent is not None and self.state.plan.acceptance.lossless:
             self.recent.pace.observe(len(round_.tokens), par, self.config)

@@ -506,7 +506,6 @@ def test_a_token_a_round_goes_on_only_while_it_brings_what_steps_would():
     from types import SimpleNamespace
 
     from workers.loop.state import Round
-    from workers.speculation.tree import TokenTree
 
     speculation = session(rates(0.8), (5, 6, 7, 8, 5, 6, 7), ngram=True, steps=4)
     fit = CostFit()
@@ -518,13 +517,13 @@ def test_a_token_a_round_goes_on_only_while_it_brings_what_steps_would():
     assert speculation.plain_steps() == 1
     nothing = Round([9], None, None)
     for _ in range(3):
-        speculation.observe_pace(TokenTree.empty(), nothing)
+        speculation.observe_pace(0, 0, nothing)
     assert speculation.plain_steps() == 4
     assert speculation.recent.pace.par > speculation.recent.pace.tokens
     assert speculation.recent.fresh().pace == speculation.recent.pace  # where new ones start
     copied = Round([5, 6, 7, 8], None, None, drafted=3, accepted=3)
     for _ in range(3):
-        speculation.observe_pace(TokenTree.chain([5, 6, 7]), copied)
+        speculation.observe_pace(3, 3, copied)
     assert speculation.plain_steps() == 1
 
     free = CostFit()
@@ -532,5 +531,5 @@ def test_a_token_a_round_goes_on_only_while_it_brings_what_steps_would():
         free.observe(n, 0.100 + 0.0001 * n, CONFIG)
     speculation.target.worker = SimpleNamespace(cost=free, load=8, max_tree_nodes=64)
     before = replace(speculation.by_match.pace)
-    speculation.observe_pace(TokenTree.empty(), nothing)
+    speculation.observe_pace(0, 0, nothing)
     assert speculation.by_match.pace == before
