@@ -40,3 +40,15 @@ def test_a_text_that_differs_between_waves_is_reported():
     waves = [Wave("auto", figures, {0: "a", 1: "b"}), Wave("off", figures, {0: "a", 1: "c"})]
     assert different_texts(waves) == [1]
     assert Point(1, waves).of("off") == waves[1:]
+
+
+def test_the_median_interval_is_the_order_statistics_of_the_tables():
+    from workers.tools.bench.paired import median_interval
+
+    # the k-th smallest to the k-th largest of n values: the sign test's 95% interval for
+    # a median, as tabulated
+    ks = {6: 1, 8: 1, 9: 2, 12: 3, 15: 4, 16: 4, 17: 5, 20: 6}
+    for n, k in ks.items():
+        values = [float(v) for v in range(n, 0, -1)]  # any order
+        assert median_interval(values) == (k, n + 1 - k)
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None  # too few for 95%

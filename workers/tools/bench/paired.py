@@ -17,11 +17,13 @@ cache, so every wave finds the same prompts cached. Every answer must be
 the same text in both modes (greedy).
 
 Prints, per point: each mode's median tokens/s over its waves, the median
-of the pairs' ratios (auto / off) with their spread, the pairs where auto
-was ahead, the default's tokens per target forward, each mode's tokens per
-round trip to the target (its verify calls), and the CPU time the
-serve's gateway process and its workers spent per token in each mode
-(from /proc: these cores are shared, so what one spends the other waits for).
+of the pairs' ratios (auto / off) with their spread and a 95% interval for
+it (`median_interval`: where it holds 1.00, the pairs cannot tell the modes
+apart on this machine), the pairs where auto was ahead, the default's
+tokens per target forward, each mode's tokens per round trip to the target
+(its verify calls), and the CPU time the serve's gateway process and its
+workers spent per token in each mode (from /proc: these cores are shared,
+so what one spends the other waits for).
 """
 
 from __future__ import annotations
@@ -166,6 +168,23 @@ async def run_point(
     return Point(streams, waves)
 
 
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free interval for the median of what `values` sample: the k-th
+    smallest to the k-th largest, k as large as leaves the chance that the median lies
+    outside at most 1 - `confidence` (each value falls below the median with probability
+    1/2, so the count below is binomial); None where even the whole range is too short
+    (fewer than six values at 95%)."""
+    n, ordered = len(values), sorted(values)
+    outside = 0.0  # P(the interval from the k-th smallest misses the median), k = 1, 2, ...
+    best = None
+    for k in range(1, n // 2 + 1):
+        outside += 2 * math.comb(n, k - 1) / 2**n  # P(fewer than k below) + P(fewer than k above)
+        if outside > 1 - confidence:
+            break
+        best = ordered[k - 1], ordered[n - k]
+    return best
+
+
 def serve_args(s: PairedBenchSettings, streams: int) -> list[str]:
     """`make run`'s serve (`--dtype auto`), room for the point's streams, then --serve-args."""
     args = ["--served-model-name", MODEL_NAME, "--log-level", "warning", "--dtype", "auto"]
@@ -184,9 +203,10 @@ def measure(s: PairedBenchSettings) -> list[Point]:
 def table(points: list[Point]) -> list[str]:
     lines = [
         "| streams | off, tokens/s | the default, tokens/s | default / off, median of pairs "
-        "| pairs' range | default ahead | τ of the default | tokens a round trip, off → default "
-        "| CPU ms a token, gateway, off → default | workers | same texts |",
-        "|---:|---:|---:|---:|---|---:|---:|---|---|---|:---:|",
+        "| pairs' range | 95% interval | default ahead | τ of the default "
+        "| tokens a round trip, off → default | CPU ms a token, gateway, off → default "
+        "| workers | same texts |",
+        "|---:|---:|---:|---:|---|---|---:|---:|---|---|---|:---:|",
     ]
     for point in points:
         ratios = point.ratios()
@@ -195,10 +215,12 @@ def table(points: list[Point]) -> list[str]:
         tau = point.tau()
         ahead = sum(r > 1.0 for r in ratios)
         same = "yes" if not different_texts(point.waves) else "NO"
+        interval = median_interval(ratios)
+        held = "-" if interval is None else f"{interval[0]:.2f}–{interval[1]:.2f}"
         cpu = [point.cpu_ms_per_token(mode, part) for part in (0, 1) for mode in MODES]
         lines.append(
             f"| {point.streams} | {off:.1f} | {auto:.1f} | **{statistics.median(ratios):.2f}** "
-            f"| {min(ratios):.2f}–{max(ratios):.2f} | {ahead} of {len(ratios)} "
+            f"| {min(ratios):.2f}–{max(ratios):.2f} | {held} | {ahead} of {len(ratios)} "
             f"| {'-' if tau is None else f'{tau:.2f}'} "
             f"| {point.tokens_per_round('off'):.2f} → {point.tokens_per_round('auto'):.2f} "
             f"| {cpu[1]:.2f} → {cpu[0]:.2f} "
