@@ -32,6 +32,15 @@ def test_waves_take_turns_in_one_serve_and_answer_alike(tiny_dir):
     assert row.startswith("| 2 |") and row.endswith("| yes |")
 
 
+def test_sampled_waves_draw_their_texts_and_say_so(tiny_dir):
+    s = PairedBenchSettings(prompts=3, max_tokens=6, streams="2", pairs=2, temperature=1.0)
+    with live(tiny_dir, [target(tiny_dir)], served_model_name=MODEL_NAME) as gateway:
+        point = asyncio.run(run_point(gateway.url, s, 2))
+    # each request draws its own text (a greedy wave would repeat every answer)
+    assert different_texts(point.waves) != []
+    assert table([point], greedy=False)[-1].endswith("| sampled |")
+
+
 def test_a_text_that_differs_between_waves_is_reported():
     from workers.tools.bench.measure import Figures
     from workers.tools.bench.paired import Wave

@@ -14,7 +14,8 @@ falls on both and each pair's ratio compares seconds apart. A wave is
 (`serving.run_streams`), each sending at least `--requests-per-stream`; a
 pair of waves before the measured ones warms the serve and the prefix
 cache, so every wave finds the same prompts cached. Every answer must be
-the same text in both modes (greedy).
+the same text in both modes (greedy); `--temperature` above 0 sends sampled
+requests instead (the OpenAI API's default is 1), whose texts differ by draw.
 
 Prints, per point: each mode's median tokens/s over its waves, the median
 of the pairs' ratios (auto / off) with their spread and a 95% interval for
@@ -59,6 +60,9 @@ class PairedBenchSettings(BaseSettings):
         2, ge=1, description="each stream of a wave sends at least this many requests"
     )
     pairs: int = Field(6, ge=1, description="measured pairs of waves (auto, off) per point")
+    temperature: float = Field(
+        0.0, ge=0, le=2, description="the requests' temperature; 0: greedy, the same texts"
+    )
     serve_args: str = Field("", description="extra `specsplit serve` arguments")
 
     def points(self) -> list[int]:
@@ -147,8 +151,9 @@ async def run_wave(
 ) -> Wave:
     per_stream = max(s.requests_per_stream, math.ceil(len(conversations) / streams))
     before = serve_cpu(pid)
+    extra = {**(MODES[mode] or {}), "temperature": s.temperature}
     timed, wall = await run_streams(
-        url, conversations, streams, per_stream, s.max_tokens, lambda text: 1, MODES[mode]
+        url, conversations, streams, per_stream, s.max_tokens, lambda text: 1, extra
     )
     cpu = tuple(b - a for a, b in zip(before, serve_cpu(pid), strict=True))
     return Wave(mode, Figures.of(timed, wall), {t.key: t.text for t in timed}, cpu)
@@ -200,7 +205,9 @@ def measure(s: PairedBenchSettings) -> list[Point]:
     return points
 
 
-def table(points: list[Point]) -> list[str]:
+def table(points: list[Point], greedy: bool = True) -> list[str]:
+    """The points' rows; sampled waves (not `greedy`) answer each prompt with texts that
+    differ by draw, so their "same texts" column says "sampled"."""
     lines = [
         "| streams | off, tokens/s | the default, tokens/s | default / off, median of pairs "
         "| pairs' range | 95% interval | default ahead | τ of the default "
@@ -214,7 +221,7 @@ def table(points: list[Point]) -> list[str]:
         auto = statistics.median(w.tok_s for w in point.of("auto"))
         tau = point.tau()
         ahead = sum(r > 1.0 for r in ratios)
-        same = "yes" if not different_texts(point.waves) else "NO"
+        same = "sampled" if not greedy else "yes" if not different_texts(point.waves) else "NO"
         interval = median_interval(ratios)
         held = "-" if interval is None else f"{interval[0]:.2f}–{interval[1]:.2f}"
         cpu = [point.cpu_ms_per_token(mode, part) for part in (0, 1) for mode in MODES]
@@ -232,14 +239,15 @@ def table(points: list[Point]) -> list[str]:
 def run(s: PairedBenchSettings) -> str:
     load = load_words()
     points = measure(s)
+    sampling = f"temperature {s.temperature}" if s.temperature else "greedy"
     head = [
         f"`specsplit bench paired`: {s.workload}, {s.prompts} prompts, {s.max_tokens} tokens "
-        f"a request, {s.pairs} pairs of waves a point; serve: `make run`'s defaults"
+        f"a request, {sampling}, {s.pairs} pairs of waves a point; serve: `make run`'s defaults"
         + (f" and `{s.serve_args}`" if s.serve_args else ""),
         f"machine: {describe()}; load average before {load}, after {load_words()}",
         "",
     ]
-    return "\n".join(head + table(points))
+    return "\n".join(head + table(points, greedy=not s.temperature))
 
 
 def main(argv: list[str]) -> None:

@@ -200,10 +200,10 @@ async def stream_chat(
     extra: dict | None = None,
     api_key: str = "",
 ) -> Timed:
-    """One streaming chat completion, greedy; `count_tokens(text)` sizes each chunk; `extra`
-    adds fields to the body; `api_key` (its Bearer) picks the request's suffix-cache tenant."""
+    """One streaming chat completion, greedy unless `extra` says otherwise; `count_tokens(text)`
+    sizes each chunk; `extra` adds fields to the body (or replaces them: a `temperature`);
+    `api_key` (its Bearer) picks the request's suffix-cache tenant."""
     body = {
-        **(extra or {}),
         "model": MODEL_NAME,
         "messages": messages,
         "max_tokens": max_tokens,
@@ -211,6 +211,7 @@ async def stream_chat(
         "stream": True,
         "stream_options": {"include_usage": True},
         "speculation_stats": True,
+        **(extra or {}),
     }
     timed = Timed(time.perf_counter())
     texts: list[str] = []
