@@ -20,6 +20,11 @@ from workers.tools.bench.serving import ServeProcess, run_streams
 from workers.tools.bench.workloads import messages, warm_up
 
 
+def total(timed: list, key: str) -> int:
+    """A `speculation_stats` count summed over the requests."""
+    return sum(t.stats.get(key, 0) for t in timed if t.stats)
+
+
 async def waves(url: str, pid: int, s: PairedBenchSettings, streams: int, pairs: int) -> None:
     conversations = messages(s.workload, s.prompts)
     await run_streams(url, [warm_up(conversations)], 1, 1, 8, lambda text: 1)
@@ -33,15 +38,12 @@ async def waves(url: str, pid: int, s: PairedBenchSettings, streams: int, pairs:
             )
             workers_s = serve_cpu(pid)[1] - before[1]
             f = Figures.of(timed, wall)
-
-            def total(key: str) -> int:
-                return sum(t.stats.get(key, 0) for t in timed if t.stats)
-
+            drafted, accepted = total(timed, "draft_tokens"), total(timed, "accepted_tokens")
             print(
                 f"{pair} {mode:4} {f.tok_s_total:6.1f} tau {f.tau or 0:.3f} "
-                f"tpr {f.tokens_per_round or 0:.2f} rounds {total('rounds')} "
-                f"steps {total('verify_steps')} drafted {total('draft_tokens')} "
-                f"accepted {total('accepted_tokens')} tokens {f.tokens} "
+                f"tpr {f.tokens_per_round or 0:.2f} rounds {total(timed, 'rounds')} "
+                f"steps {total(timed, 'verify_steps')} drafted {drafted} "
+                f"accepted {accepted} tokens {f.tokens} "
                 f"wcpu/tok {1000 * workers_s / f.tokens:.3f}",
                 flush=True,
             )
