@@ -61,3 +61,21 @@ def test_the_median_interval_is_the_order_statistics_of_the_tables():
         values = [float(v) for v in range(n, 0, -1)]  # any order
         assert median_interval(values) == (k, n + 1 - k)
     assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None  # too few for 95%
+
+
+def test_the_busy_share_is_the_requests_time_over_the_streams_time():
+    from workers.tools.bench.measure import Figures, Timed
+    from workers.tools.bench.paired import Wave
+
+    def wave(mode: str, spans: list[tuple[float, float]], wall: float) -> Wave:
+        timed = [Timed(start, end=end, tokens=10) for start, end in spans]
+        return Wave(mode, Figures.of(timed, wall), {})
+
+    # two streams for 4 s: off keeps both busy; auto's second stream ends its last request
+    # at 1 s and then idles (the drain), so 5 of its 8 stream-seconds were in requests
+    off = wave("off", [(0.0, 2.0), (2.0, 4.0), (0.0, 2.0), (2.0, 4.0)], 4.0)
+    auto = wave("auto", [(0.0, 3.0), (3.0, 4.0), (0.0, 0.5), (0.5, 1.0)], 4.0)
+    point = Point(2, [auto, off])
+    assert point.busy("off") == 1.0
+    assert point.busy("auto") == 5 / 8
+    assert "| 1.00 → 0.62 |" in table([point])[-1]

@@ -22,9 +22,18 @@ of the pairs' ratios (auto / off) with their spread and a 95% interval for
 it (`median_interval`: where it holds 1.00, the pairs cannot tell the modes
 apart on this machine), the pairs where auto was ahead, the default's
 tokens per target forward, each mode's tokens per round trip to the target
-(its verify calls), and the CPU time the serve's gateway process and its
-workers spent per token in each mode (from /proc: these cores are shared,
+(its verify calls), the share of its streams' time each mode's waves spent
+in requests (`Point.busy`), and the CPU time the serve's gateway process and
+its workers spent per token in each mode (from /proc: these cores are shared,
 so what one spends the other waits for).
+
+A wave ends with its last request: once the queue is empty its streams fall
+idle one by one, and a mode that speeds some requests more than others (a
+draft that copies one prompt and finds nothing in the next) finishes
+unevenly, its wave waiting on its slowest requests while its streams idle.
+The busy share tells that apart from a slower round: where it is lower in one
+mode, more of its wave was that drain. More `--requests-per-stream` make the
+drain a smaller part of a wave, as a serve under sustained load has none.
 """
 
 from __future__ import annotations
@@ -119,6 +128,15 @@ class Point:
         taus = [w.figures.tau for w in self.of("auto") if w.figures.tau is not None]
         return statistics.median(taus) if taus else None
 
+    def busy(self, mode: str) -> float:
+        """Median over the mode's waves of the share of their streams' time spent in
+        requests: the requests' seconds over the streams times the wave's (1.00: no stream
+        was ever idle; the drain after the last request was taken lowers it)."""
+        return statistics.median(
+            w.tok_s / (self.streams * w.figures.tok_s_stream) if w.figures.tok_s_stream else 0.0
+            for w in self.of(mode)
+        )
+
     def tokens_per_round(self, mode: str) -> float:
         """Median over the mode's waves of the tokens a round trip to the target brought
         (decode steps bring several without a draft): where τ is 1.00 in both modes, the
@@ -211,9 +229,9 @@ def table(points: list[Point], greedy: bool = True) -> list[str]:
     lines = [
         "| streams | off, tokens/s | the default, tokens/s | default / off, median of pairs "
         "| pairs' range | 95% interval | default ahead | τ of the default "
-        "| tokens a round trip, off → default | CPU ms a token, gateway, off → default "
-        "| workers | same texts |",
-        "|---:|---:|---:|---:|---|---|---:|---:|---|---|---|:---:|",
+        "| tokens a round trip, off → default | streams busy, off → default "
+        "| CPU ms a token, gateway, off → default | workers | same texts |",
+        "|---:|---:|---:|---:|---|---|---:|---:|---|---|---|---|:---:|",
     ]
     for point in points:
         ratios = point.ratios()
@@ -230,6 +248,7 @@ def table(points: list[Point], greedy: bool = True) -> list[str]:
             f"| {min(ratios):.2f}–{max(ratios):.2f} | {held} | {ahead} of {len(ratios)} "
             f"| {'-' if tau is None else f'{tau:.2f}'} "
             f"| {point.tokens_per_round('off'):.2f} → {point.tokens_per_round('auto'):.2f} "
+            f"| {point.busy('off'):.2f} → {point.busy('auto'):.2f} "
             f"| {cpu[1]:.2f} → {cpu[0]:.2f} "
             f"| {cpu[3]:.2f} → {cpu[2]:.2f} | {same} |"
         )
