@@ -100,12 +100,14 @@ def test_a_session_whose_drafts_are_accepted_looks_up_every_token(tiny_dir):
 
 
 def test_a_session_steps_at_once_where_no_draft_can_pay(tiny_dir):
-    """On a target where every token fed costs 20 ms (compute-bound), once the cost is
+    """On a target where every token fed costs 40 ms (compute-bound), once the cost is
     measured no draft pays: the session decodes several tokens a round without waiting for
-    8 unaccepted ones, and its text is the target's own."""
+    8 unaccepted ones, and its text is the target's own. (At 20 ms a token, one of the
+    first rounds taking 60 ms longer than its tokens, a pause of the test's process,
+    tipped the young fit towards drafts in about a third of runs.)"""
     copy = "one two three four five six seven eight nine ten " * 3
     messages = [{"role": "user", "content": copy}]
-    slow = slow_target(tiny_dir, "t0", 0.0, token_delay=0.020)
+    slow = slow_target(tiny_dir, "t0", 0.0, token_delay=0.040)
     with live(tiny_dir, [slow], decode_steps=4, suffix_cache_tokens=0) as gateway:
         client = OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
         chunks = streamed(client, messages, 48, {})
