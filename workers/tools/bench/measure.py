@@ -77,6 +77,7 @@ class Figures:
     acceptance: float | None
     lookahead_hit_rate: float | None
     tokens_per_round: float | None = None
+    busy_s: float = 0.0  # the requests' seconds, summed
 
     @classmethod
     def of(cls, timed: list[Timed], wall_s: float) -> Figures:
@@ -105,6 +106,7 @@ class Figures:
             acceptance=total("accepted_tokens") / drafted if drafted else None,
             lookahead_hit_rate=total("lookahead_hits") / looked if looked else None,
             tokens_per_round=total("emitted_tokens") / rounds if rounds else None,
+            busy_s=busy,
         )
 
 

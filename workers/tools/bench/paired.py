@@ -133,7 +133,7 @@ class Point:
         requests: the requests' seconds over the streams times the wave's (1.00: no stream
         was ever idle; the drain after the last request was taken lowers it)."""
         return statistics.median(
-            w.tok_s / (self.streams * w.figures.tok_s_stream) if w.figures.tok_s_stream else 0.0
+            w.figures.busy_s / (self.streams * w.figures.wall_s) if w.figures.wall_s else 0.0
             for w in self.of(mode)
         )
 
