@@ -538,14 +538,11 @@ def adapt(
     sessions: int,
     cost: RoundCost,
     config: AdaptiveConfig,
-    rounds: int = 1,
 ) -> TreeSpec | None:
     """This round's tree within `spec` (the largest allowed), or None for no speculation.
 
     `sessions` is the number of live sessions on the target this session uses,
-    `cost` that target's round cost; `rounds` the rounds this weighing stands for
-    towards a probe: this one and those that went without a draft unweighed since the
-    last (`Speculation.shape`).
+    `cost` that target's round cost.
     """
     if spec.depth <= 0 or spec.budget <= 0:
         return None
@@ -555,14 +552,8 @@ def adapt(
         if nodes == depth:
             return replace(spec, depth=depth, branching=1, budget=depth)
         return replace(spec, depth=depth, budget=nodes)
-    rates.rounds_off += rounds
-    if rounds_to_probe(rates, sessions, config) > 0:
+    rates.rounds_off += 1
+    if rates.rounds_off < config.probe_every * max(1, sessions):
         return None
     rates.rounds_off = 0
     return replace(spec, depth=1, branching=1, budget=1)  # a probe: one node keeps it alive
-
-
-def rounds_to_probe(rates: Rates, sessions: int, config: AdaptiveConfig) -> int:
-    """Rounds without a draft still to go before these rates' kind of round probes (`adapt`):
-    `probe_every` times the target's sessions since it last drafted."""
-    return config.probe_every * max(1, sessions) - rates.rounds_off

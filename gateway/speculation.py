@@ -42,7 +42,6 @@ from gateway.adaptive import (
     RoundShape,
     adapt,
     best_shape,
-    rounds_to_probe,
 )
 from gateway.errors import APIError
 from gateway.hangs import Hung
@@ -88,12 +87,6 @@ class LoopOptions:
 # the shortest match a hybrid round's n-gram part copies after: a one-token match is
 # mostly noise on open-ended text, where the model drafts better
 HYBRID_MIN_NGRAM = 2
-# a session that found no kind of draft would pay at its target's load looks up and
-# weighs again only this many rounds later (`Speculation.shape`): a busy target's sessions
-# otherwise each found the same every round, ~16-40 µs of the gateway's one thread a
-# session a round here; the load, cost and rates that could change the verdict move over
-# rounds, and a round of steps is a few tokens
-REWEIGH_EVERY = 8
 
 
 @dataclass
@@ -196,10 +189,7 @@ class Speculation(Loop):
         self.suffixes = suffixes  # other requests' outputs, for a hybrid round's n-gram part
         self.local_nodes = 0  # of this round's tree, the nodes of its n-gram part
         self.suffix = SuffixIndex()  # the history so far (`indexed`): match lengths, lookups
-        # rounds left without a lookup or a draft: the target cut a whole tree, or no kind
-        # of draft would pay at its load (`shape`)
-        self.quiet = 0
-        self.unweighed = 0  # rounds that went without weighing since the last that weighed
+        self.quiet = 0  # rounds left without a draft since the target cut a whole tree
         # tokens committed since a round's draft was last accepted (`plain_steps`)
         self.unaccepted = 0
         self.may_pay: tuple[int, bool] | None = None  # `drafts_may_pay` at a history length
@@ -220,12 +210,9 @@ class Speculation(Loop):
         if self.target.held < len(self.history):
             return None
         # a target that cut the last tree whole (workers/target/runner.py fit_blocks: its
-        # nodes would have opened a block of rows) is as busy as that for a while, and
-        # where no kind of draft would pay the verdict holds for a while too: no lookup, no
-        # weighing, no draft, until those rounds have passed (`quiet`); each still counts
-        # towards the session's next probe
+        # nodes would have opened a block of rows) is as busy as that for a while: no
+        # lookup, no draft, until a probe's worth of rounds has passed
         if self.quiet:
-            self.unweighed += 1
             return None
         kind = self.match_kind()
         if kind is None:
@@ -234,11 +221,7 @@ class Speculation(Loop):
         if self.recent is not None:
             self.rates.follow(self.recent[kind])
         cost = self.round_cost(self.plain_steps())  # what the round would be without a draft
-        rounds, self.unweighed = 1 + self.unweighed, 0
-        shaped = adapt(spec, self.rates, self.load, cost, self.options.adaptive, rounds)
-        if shaped is None and not self.drafts_may_pay():  # not before this kind's probe is due
-            self.quiet = min(REWEIGH_EVERY, rounds_to_probe(self.rates, self.load, self.config))
-        return shaped
+        return adapt(spec, self.rates, self.load, cost, self.options.adaptive)
 
     @property
     def rates(self) -> Rates:
@@ -330,8 +313,7 @@ class Speculation(Loop):
         "Decode steps")."""
         stepping = self.stepping
         if stepping > 1 and self.route.drafts and self.unaccepted < 2 * self.steps:
-            paying = self.by_match.pace.pays and not self.quiet and self.drafts_may_pay()
-            return 1 if paying else stepping
+            return 1 if self.by_match.pace.pays and self.drafts_may_pay() else stepping
         return stepping
 
     def drafts_may_pay(self) -> bool:

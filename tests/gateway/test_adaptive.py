@@ -388,52 +388,11 @@ def test_a_tree_the_target_cut_whole_keeps_the_session_from_drafting_for_a_while
     assert speculation.shape(SPEC) is not None
 
 
-def test_where_no_draft_would_pay_a_session_looks_up_again_only_rounds_later():
-    """Once no kind of draft would pay at the target's load, a session neither looks its
-    suffix up nor weighs shapes for the next rounds (up to REWEIGH_EVERY), and those rounds
-    count towards its probe: it probes on the same rounds as one that weighed every round
-    (`test_speculation_backs_off_and_probes_once_a_batch_of_probe_every`)."""
-    from types import SimpleNamespace
-
-    from gateway.speculation import REWEIGH_EVERY
-
-    prompt = (5, 6, 7, 8) * 2  # the history goes on repeating it: every round matches 3 tokens
-    speculation = session(rates(0.02), prompt, ngram=True)  # every kind: alpha 0.02
-    speculation.target.worker = SimpleNamespace(cost=CostFit(), load=4, max_tree_nodes=64)
-    period = CONFIG.probe_every * 4
-    probes, lookups = [], 0
-    for r in range(3 * period):
-        spec = speculation.shape(SPEC)
-        lookups += len(speculation.suffix) == len(speculation.history)  # indexed this round
-        if spec is not None:
-            probes.append(r)
-            assert spec.depth == 1 and spec.budget == 1
-        speculation.quiet = max(0, speculation.quiet - 1)  # as `observe` does after a round
-        speculation.history.append(prompt[len(speculation.history) % 4])
-        speculation.target.held = len(speculation.history)
-    assert probes == [period - 1, 2 * period - 1, 3 * period - 1]
-    # each period: a lookup every REWEIGH_EVERY rounds until the probe's, then the probe's
-    assert lookups == 3 * (-(-(period - 1) // REWEIGH_EVERY) + 1) < period
-
-
-def test_a_session_steps_through_rounds_that_look_nothing_up():
-    """Rounds of a session that will not look its suffix up (its target cut a whole tree)
-    take decode steps, as rounds where no draft would pay do: a token a round would wait
-    on lookups that do not come."""
-    speculation = session(rates(0.9), (5, 6, 7, 8, 5, 6, 7), ngram=True, steps=4)
-    speculation.unaccepted = 0  # a draft was just accepted
-    assert speculation.plain_steps() == 1  # drafts pay: a lookup every token
-    speculation.cut_by_target(3, 3)
-    assert speculation.quiet and speculation.plain_steps() == 4
-
-
 def test_a_session_follows_every_sessions_estimate_until_it_has_drafted():
     recent = rates(0.02)
     speculation = session(recent)
     speculation.target.held = len(speculation.history)
     assert speculation.shape(SPEC) is None  # alpha 0.02 does not pay
-    assert speculation.quiet  # nor would any draft: it weighs again some rounds later
-    speculation.quiet = 0  # those rounds have passed
     recent.observe(RoundShape(12, 12, 12), 12, 12, CONFIG)  # other sessions' rounds went well
     recent.observe(RoundShape(12, 12, 12), 12, 12, CONFIG)
     spec = speculation.shape(SPEC)
