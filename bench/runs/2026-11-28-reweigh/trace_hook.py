@@ -8,7 +8,13 @@ estimates per kind (chain and tree rates, drafted rounds taken in, the largest
 calibration factor), every session's pace, and the outcomes of the rounds shaped since:
 "prompt", "drafted" (a one-node tree of a session with no rounds off: "drafted/probe?"),
 "skipped" (a round that kept its quiet) or "none may_pay=<verdict> kind=<kind>" (the
-verdict of `drafts_may_pay` at the round's history, "?" where it was not weighed).
+verdict of `drafts_may_pay` at the round's history, "?" where it was not weighed); and,
+per kind of round past a session's first ("drafted", or "steps<k>" for a round without a
+draft that decoded k tokens), the rounds and their mean modelled and measured
+milliseconds a committed token: modelled as the cost model prices them (a drafted round
+as every one of the target's sessions feeding its tree, `RoundCost.seconds`; a round of
+steps at `RoundCost.plain`), measured as the session's seconds from its last verify's
+answer to this one's.
 """
 
 import collections
@@ -63,6 +69,7 @@ def patch() -> None:
     time.sleep(0.5)
     cls = sys.modules["gateway.speculation"].Speculation
     counts: collections.Counter = collections.Counter()
+    rounds = collections.defaultdict(list)
     latest = {}
     shape = cls.shape
 
@@ -74,6 +81,25 @@ def patch() -> None:
         return shaped
 
     cls.shape = traced
+    observe = cls.observe
+    from workers.speculation.tree import depths
+
+    def observed(self, tree, round_):
+        observe(self, tree, round_)
+        if self.cycle_s <= 0 or self.target.worker is None or round_.finish_reason:
+            return
+        load, tokens = self.load, max(1, len(round_.tokens))
+        if len(tree):
+            depth = int(depths(tree.parents).max())
+            modelled = self.round_cost(1).seconds(load * (1 + len(tree)), depth)
+            kind = "drafted"
+        else:
+            steps = max(1, round_.steps)
+            modelled = steps * self.round_cost(steps).plain(load)
+            kind = f"steps{steps}"
+        rounds[kind].append((modelled / tokens, self.cycle_s / tokens))
+
+    cls.observe = observed
     os.makedirs("/tmp/dbg", exist_ok=True)
     with open(f"/tmp/dbg/trace-{os.getpid()}.jsonl", "w") as out:
         while True:
@@ -81,9 +107,20 @@ def patch() -> None:
             speculation = latest.get("session")
             if speculation is None or speculation.target.worker is None:
                 continue
-            out.write(json.dumps(sample(speculation, counts)) + "\n")
+            record = sample(speculation, counts)
+            record["per_token_ms"] = {
+                kind: [
+                    len(v),
+                    round(1e3 * sum(m for m, _ in v) / len(v), 2),
+                    round(1e3 * sum(x for _, x in v) / len(v), 2),
+                ]
+                for kind, v in rounds.items()
+                if v
+            }
+            out.write(json.dumps(record) + "\n")
             out.flush()
             counts.clear()
+            rounds.clear()
 
 
 if "serve" in " ".join(sys.argv):
