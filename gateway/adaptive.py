@@ -63,6 +63,13 @@ fed beside one-token decodes, a second attention call
 about S/8 probes in every forward. This way a batch carries about one probe
 every `probe_every` forwards, whatever S.
 
+Above the rounds, a target's sessions draft in turns of epochs
+(gateway/epochs.py): in its plain epochs no session looks up or drafts, and
+the kind of epoch whose rounds measure more tokens a second at the target's
+load runs most of the time. That measures what the model here cannot price
+at a busy target: a drafted round's nodes in the other sessions' forwards,
+and a token a round waiting on other sessions' runs of steps.
+
 This is what vLLM's and TGI's fixed speculation lacks: at high load the
 forward is compute-bound, extra tree nodes cost as much as real tokens, and a
 fixed tree makes serving slower than plain decoding. Here the tree shrinks
@@ -115,6 +122,12 @@ class AdaptiveConfig:
     # each drafted round pulls every other depth's calibration this far towards every depth's
     depth_relax: float = 0.002
     pace_ewma: float = 0.1  # weight of the newest round of a token at a time in a `Pace`
+    # drafting and plain epochs (gateway.epochs): an epoch's seconds, the weight of the
+    # newest epoch in a kind's rates, how often the slower kind runs, each kind's first epochs
+    epoch_s: float = 2.0
+    epoch_ewma: float = 0.2
+    explore_every: int = 8
+    warm_epochs: int = 2
 
     def __post_init__(self):
         if self.knee_tokens < 0 or not 0 < self.ewma <= 1 or not 0 <= self.prior_rate < 1:
@@ -124,6 +137,16 @@ class AdaptiveConfig:
             )
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        if (
+            self.epoch_s <= 0
+            or not 0 < self.epoch_ewma <= 1
+            or self.explore_every < 2
+            or self.warm_epochs < 0
+        ):
+            raise ValueError(
+                "need epoch_s > 0, 0 < epoch_ewma <= 1, explore_every >= 2, warm_epochs >= 0; "
+                f"got {self.epoch_s}, {self.epoch_ewma}, {self.explore_every}, {self.warm_epochs}"
+            )
         if (
             not 0 < self.cost_ewma <= 1
             or self.prior_weight <= 0

@@ -2,8 +2,8 @@
 
 Labels are bounded: endpoint and status come from a fixed set of routes and
 codes, phase from {draft, verify, gateway}, parts from {ngram, model, both} and the round
-cost's from COST_PARTS, position is capped at MAX_POSITION, role + address are bounded by
-the worker pools. No session ids.
+cost's from COST_PARTS, epoch kinds from EPOCH_KINDS, position is capped at
+MAX_POSITION, role + address are bounded by the worker pools. No session ids.
 
 Speculation is exported as counters so that rates are PromQL over them:
 
@@ -51,6 +51,7 @@ from typing import get_args
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gateway.adaptive import RoundCost
+from gateway.epochs import Epochs
 from workers.protocol import Role
 
 # request path -> `endpoint` label; any other path is "other"
@@ -68,6 +69,7 @@ PHASES = ("draft", "verify", "gateway")  # of one speculation round
 # what a hybrid round's tree held: the gateway's n-gram nodes, the model's, or both
 HYBRID_PARTS = ("ngram", "model", "both")
 COST_PARTS = ("fixed", "token", "outside", "beside")  # of a target's RoundCost
+EPOCH_KINDS = ("drafting", "plain")  # a target's epochs (gateway.epochs)
 ROLES: tuple[Role, ...] = get_args(Role)
 
 MAX_POSITION = 16  # accepted-per-position label values run 0..MAX_POSITION ("16" = 16 and deeper)
@@ -175,6 +177,20 @@ class Metrics:
             ["address", "part"],
             registry=r,
         )
+        self.target_epoch_rate = Gauge(
+            "specsplit_target_epoch_tokens_per_second",
+            "A target worker's drafting and plain epochs at its load now (gateway/epochs.py): "
+            "the tokens its sessions' rounds committed a second of those rounds, each kind's "
+            "weighted mean over its epochs",
+            ["address", "kind"],
+            registry=r,
+        )
+        self.target_drafting = Gauge(
+            "specsplit_target_drafting",
+            "1 while a target worker runs a drafting epoch, 0 in a plain one (gateway/epochs.py)",
+            ["address"],
+            registry=r,
+        )
         self.hybrid_rounds = Counter(
             "specsplit_hybrid_rounds",
             "Rounds of hybrid sessions with a tree, by what it held: n-gram nodes only, "
@@ -279,11 +295,28 @@ class Metrics:
         for part, value in parts:
             self.target_round_cost.labels(address, part).set(value)
 
+    def observe_epochs(self, address: str, epochs: Epochs, load: int) -> None:
+        """A target's epochs: the running one's kind, both kinds' rates at its load."""
+        if epochs.running is not None:
+            self.target_drafting.labels(address).set(1 if epochs.running.drafting else 0)
+        rates = epochs.rates(load)
+        if rates is None:
+            return
+        for kind in EPOCH_KINDS:
+            rate = rates.of(kind == "drafting")
+            if rate.epochs:
+                self.target_epoch_rate.labels(address, kind).set(rate.mean)
+
     def forget_round_cost(self, address: str) -> None:
-        """A target that left the pool."""
+        """A target that left the pool: its round cost and its epochs."""
         for part in COST_PARTS:
             with contextlib.suppress(KeyError):
                 self.target_round_cost.remove(address, part)
+        for kind in EPOCH_KINDS:
+            with contextlib.suppress(KeyError):
+                self.target_epoch_rate.remove(address, kind)
+        with contextlib.suppress(KeyError):
+            self.target_drafting.remove(address)
 
     def observe_hybrid(self, ngram_nodes: int, model_nodes: int) -> None:
         """A hybrid round's tree: its nodes from the n-gram part and those the model added."""

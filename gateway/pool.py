@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.adaptive import AdaptiveConfig, CostFit
+from gateway.epochs import Epochs
 from gateway.errors import APIError
 from gateway.hangs import CallTimes
 from gateway.metrics import Metrics
@@ -72,6 +73,7 @@ class Worker:
     ever_up: bool = False
     times: CallTimes = field(default_factory=CallTimes)  # its recent calls (gateway.hangs)
     cost: CostFit = field(default_factory=CostFit)  # a target's round cost (gateway.adaptive)
+    epochs: Epochs = field(default_factory=Epochs)  # a target's drafting and plain epochs
 
     @property
     def serving(self) -> bool:
@@ -206,6 +208,7 @@ class Pool:
         self.metrics.worker_up.labels(self.role, worker.address).set(1 if worker.serving else 0)
         if self.adaptive is not None and worker.cost.weight > 0:  # a measured target's
             self.metrics.observe_round_cost(worker.address, worker.cost.line(self.adaptive))
+            self.metrics.observe_epochs(worker.address, worker.epochs, worker.load)
 
     def compatible(self, worker: Worker) -> bool:
         if worker.info is None or worker.info.pairs_with(self.fingerprint):

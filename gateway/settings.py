@@ -66,6 +66,13 @@ class GatewayOptions(BaseSettings):
         description="a target round's fixed cost in tokens fed (a / b of its cost a + b*n) "
         "assumed until its rounds are measured, and the ratio the online fit is pulled towards",
     )
+    adaptive_epoch_s: float = Field(
+        2.0,
+        gt=0,
+        description="seconds of a target's drafting or plain epoch: its sessions draft in turns "
+        "of epochs, the kind whose rounds measure more tokens a second most of the time "
+        "(gateway/epochs.py)",
+    )
     decode_steps: int = Field(
         4,
         ge=1,
@@ -138,7 +145,9 @@ class GatewayOptions(BaseSettings):
 
     @property
     def loop_options(self) -> LoopOptions:
-        adaptive = AdaptiveConfig(self.adaptive_knee_tokens) if self.adaptive_tree else None
+        adaptive = None
+        if self.adaptive_tree:
+            adaptive = AdaptiveConfig(self.adaptive_knee_tokens, epoch_s=self.adaptive_epoch_s)
         return LoopOptions(
             adaptive,
             self.overlap_draft,

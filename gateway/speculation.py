@@ -211,8 +211,9 @@ class Speculation(Loop):
             return None
         # a target that cut the last tree whole (workers/target/runner.py fit_blocks: its
         # nodes would have opened a block of rows) is as busy as that for a while: no
-        # lookup, no draft, until a probe's worth of rounds has passed
-        if self.quiet:
+        # lookup, no draft, until a probe's worth of rounds has passed; and in its plain
+        # epochs (gateway.epochs) no session looks up or drafts
+        if self.quiet or not self.drafting_epoch():
             return None
         kind = self.match_kind()
         if kind is None:
@@ -222,6 +223,14 @@ class Speculation(Loop):
             self.rates.follow(self.recent[kind])
         cost = self.round_cost(self.plain_steps())  # what the round would be without a draft
         return adapt(spec, self.rates, self.load, cost, self.options.adaptive)
+
+    def drafting_epoch(self) -> bool:
+        """Whether the bound target runs a drafting epoch now (gateway.epochs); True while
+        no target is bound."""
+        worker = self.target.worker
+        if worker is None:
+            return True
+        return worker.epochs.drafting(time.perf_counter(), self.load, self.config)
 
     @property
     def rates(self) -> Rates:
@@ -307,13 +316,15 @@ class Speculation(Loop):
         """`Loop.plain_steps` once the session's drafts have gone unaccepted for twice the
         steps' tokens, or no draft would pay against rounds of steps (adaptive trees:
         `drafts_may_pay`), or its rounds of a token at a time have brought fewer tokens
-        than steps would have (`gateway.adaptive.Pace`); until then a token a round, as
+        than steps would have (`gateway.adaptive.Pace`), or its target runs a plain epoch
+        (`drafting_epoch`); until then a token a round, as
         text that copies its prompt gets a draft accepted every few tokens, and a round of
         steps would skip the lookups (and the copied span) of its tokens (bench/RESULTS.md,
         "Decode steps")."""
         stepping = self.stepping
         if stepping > 1 and self.route.drafts and self.unaccepted < 2 * self.steps:
-            return 1 if self.by_match.pace.pays and self.drafts_may_pay() else stepping
+            paying = self.by_match.pace.pays and self.drafting_epoch() and self.drafts_may_pay()
+            return 1 if paying else stepping
         return stepping
 
     def drafts_may_pay(self) -> bool:
@@ -430,6 +441,7 @@ class Speculation(Loop):
             self.metrics.round_phase.labels("draft").observe(draft_s)
         self.metrics.round_phase.labels("verify").observe(verify_s)
         self.observe_cost(draft_s, verify_s)
+        self.observe_epoch(round_)
         path_depth = int(depths(tree.parents).max()) if len(tree) else 0
         self.observe_pace(len(tree), path_depth, round_)
         if len(tree):
@@ -452,6 +464,18 @@ class Speculation(Loop):
         )
         if len(tree) and self.drafter == "hybrid":
             self.metrics.observe_hybrid(self.local_nodes, len(tree) - self.local_nodes)
+
+    def observe_epoch(self, round_: Round) -> None:
+        """A round past the session's first on the same target, of a session whose rounds
+        adapt (not a seeded sampled one's, whose trees stay as configured: `shape`), counts
+        towards its target's running epoch (gateway.epochs): its tokens and its seconds
+        since the last verify's answer."""
+        worker, params = self.target.worker, self.state.plan.params
+        if worker is None or self.options.adaptive is None or not self.route.drafts:
+            return
+        if self.cycle_s <= 0 or (params.seed is not None and not params.greedy):
+            return
+        worker.epochs.observe(self.answered[0], self.cycle_s, len(round_.tokens))
 
     def observe_pace(self, nodes: int, depth: int, round_: Round) -> None:
         """A round of a token at a time (its tree's `nodes` and `depth`; 0 without a draft)

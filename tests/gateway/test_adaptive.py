@@ -25,6 +25,7 @@ from gateway.adaptive import (
     expected_tokens,
     weigh_shapes,
 )
+from gateway.epochs import Epochs
 from tests.gateway.helpers import (
     MODEL,
     live,
@@ -489,7 +490,9 @@ def test_a_session_takes_steps_at_once_only_where_no_draft_would_pay(dear):
     for n in [8, 24, 16, 40] * 10:
         fit.observe(n, 0.010 * n if dear else 0.100 + 0.0001 * n, CONFIG)
         fit.observe_gaps(0.002, 0.004, CONFIG)
-    speculation.target.worker = SimpleNamespace(cost=fit, load=8, max_tree_nodes=64)
+    speculation.target.worker = SimpleNamespace(
+        cost=fit, load=8, max_tree_nodes=64, epochs=Epochs()
+    )
     speculation.unaccepted = 0  # a draft was just accepted
     assert speculation.plain_steps() == (4 if dear else 1)
     speculation.unaccepted = 8  # none for twice the steps' tokens: steps either way
@@ -512,7 +515,9 @@ def test_a_token_a_round_goes_on_only_while_it_brings_what_steps_would():
     for n in [8, 24, 16, 40] * 10:  # mostly fixed cost: drafts may pay
         fit.observe(n, 0.100 + 0.0001 * n, CONFIG)
         fit.observe_gaps(0.002, 0.040, CONFIG)  # steps save 30 ms of a ~100 ms token
-    speculation.target.worker = SimpleNamespace(cost=fit, load=8, max_tree_nodes=64)
+    speculation.target.worker = SimpleNamespace(
+        cost=fit, load=8, max_tree_nodes=64, epochs=Epochs()
+    )
     speculation.cycle_s, speculation.unaccepted = 0.1, 0  # past its first round; accepted
     assert speculation.plain_steps() == 1
     nothing = Round([9], None, None)
@@ -529,7 +534,9 @@ def test_a_token_a_round_goes_on_only_while_it_brings_what_steps_would():
     free = CostFit()
     for n in [8, 24, 16, 40] * 10:
         free.observe(n, 0.100 + 0.0001 * n, CONFIG)
-    speculation.target.worker = SimpleNamespace(cost=free, load=8, max_tree_nodes=64)
+    speculation.target.worker = SimpleNamespace(
+        cost=free, load=8, max_tree_nodes=64, epochs=Epochs()
+    )
     before = replace(speculation.by_match.pace)
     speculation.observe_pace(0, 0, nothing)
     assert speculation.by_match.pace == before
