@@ -143,6 +143,10 @@ def settings(model_dir: Path, targets: list[str], drafts: list[str] = (), **kw) 
         health_interval_s=0.2,
         dns_refresh_s=0,
         api_keys="",
+        # one drafting epoch the whole test (gateway/epochs.py): a test of something else
+        # that drafts for longer than two epochs would otherwise find its rounds plain, by
+        # how fast the machine ran it; tests/gateway/test_epochs.py sets its own
+        adaptive_epoch_s=3600.0,
     )
     return GatewaySettings(**{**values, **kw})
 
