@@ -307,7 +307,7 @@ class Metrics:
             if rate.epochs:
                 self.target_epoch_rate.labels(address, kind).set(rate.mean)
 
-    def forget_round_cost(self, address: str) -> None:
+    def forget_target(self, address: str) -> None:
         """A target that left the pool: its round cost and its epochs."""
         for part in COST_PARTS:
             with contextlib.suppress(KeyError):

@@ -181,7 +181,7 @@ class Pool:
             worker = self.workers.pop(address)
             worker.up = False
             self.metrics.worker_up.remove(self.role, address)
-            self.metrics.forget_round_cost(address)
+            self.metrics.forget_target(address)
             log.info("%s worker %s left the pool", self.role, address)
             with contextlib.suppress(Exception):
                 await worker.backend.close()

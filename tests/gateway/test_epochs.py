@@ -137,5 +137,5 @@ def test_a_targets_epochs_are_exported_and_forgotten_with_it():
     assert 'specsplit_target_drafting{address="t0:1"} 1.0' in text
     assert 'specsplit_target_epoch_tokens_per_second{address="t0:1",kind="drafting"} 100.0' in text
     assert 'kind="plain"' not in text  # no plain epoch measured yet
-    metrics.forget_round_cost("t0:1")
+    metrics.forget_target("t0:1")
     assert "t0:1" not in generate_latest(metrics.registry).decode()
