@@ -198,12 +198,17 @@ class Speculation(Loop):
 
     # --- adaptive trees -----------------------------------------------------------------
 
-    def shape(self, spec: TreeSpec) -> TreeSpec | None:
-        # A seeded sampling request keeps the configured tree: sampled output depends on
-        # the tree, and adapting it to other sessions' acceptance or the target's load
-        # would make the same seed give different text (greedy output never changes).
+    @property
+    def adapts(self) -> bool:
+        """Whether this session's trees adapt. A seeded sampling request keeps the
+        configured tree: sampled output depends on the tree, and adapting it to other
+        sessions' acceptance or the target's load would make the same seed give different
+        text (greedy output never changes)."""
         params = self.state.plan.params
-        if self.options.adaptive is None or (params.seed is not None and not params.greedy):
+        return self.options.adaptive is not None and (params.seed is None or params.greedy)
+
+    def shape(self, spec: TreeSpec) -> TreeSpec | None:
+        if not self.adapts:
             return spec
         # the round that feeds the prompt drafts nothing: no round has measured the session
         # yet, and tree nodes would make its forward, and so its first token, later
@@ -466,14 +471,11 @@ class Speculation(Loop):
             self.metrics.observe_hybrid(self.local_nodes, len(tree) - self.local_nodes)
 
     def observe_epoch(self, round_: Round) -> None:
-        """A round past the session's first on the same target, of a session whose rounds
-        adapt (not a seeded sampled one's, whose trees stay as configured: `shape`), counts
-        towards its target's running epoch (gateway.epochs): its tokens and its seconds
-        since the last verify's answer."""
-        worker, params = self.target.worker, self.state.plan.params
-        if worker is None or self.options.adaptive is None or not self.route.drafts:
-            return
-        if self.cycle_s <= 0 or (params.seed is not None and not params.greedy):
+        """A round past the session's first on the same target, of a drafting session
+        whose trees adapt (`adapts`), counts towards its target's running epoch
+        (gateway.epochs): its tokens and its seconds since the last verify's answer."""
+        worker = self.target.worker
+        if worker is None or not self.adapts or not self.route.drafts or self.cycle_s <= 0:
             return
         worker.epochs.observe(self.answered[0], self.cycle_s, len(round_.tokens))
 
