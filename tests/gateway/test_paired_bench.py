@@ -26,6 +26,7 @@ def test_waves_take_turns_in_one_serve_and_answer_alike(tiny_dir):
     assert different_texts(point.waves) == []  # greedy: each prompt's answer in both modes
     assert all(w.figures.acceptance is None for w in point.of("off"))  # nothing drafted
     assert all(w.figures.tau == 1.0 for w in point.of("off"))
+    assert all(w.figures.draft_nodes_per_token == 0.0 for w in point.of("off"))
     assert all(w.figures.tokens_per_round >= 1.0 for w in point.waves)
     assert len(point.ratios()) == 2 and all(r > 0 for r in point.ratios())
     row = table([point])[-1]
@@ -79,3 +80,26 @@ def test_the_busy_share_is_the_requests_time_over_the_streams_time():
     assert point.busy("off") == 1.0
     assert point.busy("auto") == 5 / 8
     assert "| 1.00 → 0.62 |" in table([point])[-1]
+
+
+def test_the_draft_nodes_are_the_defaults_tree_nodes_a_token():
+    from workers.tools.bench.measure import Figures, Timed
+    from workers.tools.bench.paired import Wave
+
+    def wave(mode: str, drafted: list[int]) -> Wave:
+        timed = [
+            Timed(0.0, end=1.0, tokens=10, stats={"draft_tokens": d, "emitted_tokens": 10})
+            for d in drafted
+        ]
+        return Wave(mode, Figures.of(timed, 1.0), {})
+
+    # 5 and 15 nodes over 20 tokens, then none: the median of the default's waves; off's
+    # waves (which draft nothing) do not enter it
+    waves = [wave("auto", [5, 15]), wave("off", [0, 0]), wave("auto", [0, 0]), wave("off", [0])]
+    waves.append(wave("auto", [10, 20]))
+    waves.append(wave("off", [0]))
+    point = Point(2, waves)
+    assert [w.figures.draft_nodes_per_token for w in point.of("auto")] == [1.0, 0.0, 1.5]
+    assert point.draft_nodes() == 1.0
+    assert "| - | 1.00 | 0.00 → 0.00 |" in table([point])[-1]  # τ (no steps), the nodes
+    assert Figures.of([Timed(0.0, end=1.0, tokens=3)], 1.0).draft_nodes_per_token is None

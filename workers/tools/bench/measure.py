@@ -78,6 +78,7 @@ class Figures:
     lookahead_hit_rate: float | None
     tokens_per_round: float | None = None
     busy_s: float = 0.0  # the requests' seconds, summed
+    draft_nodes_per_token: float | None = None  # tree nodes sent to verification a token
 
     @classmethod
     def of(cls, timed: list[Timed], wall_s: float) -> Figures:
@@ -107,6 +108,7 @@ class Figures:
             lookahead_hit_rate=total("lookahead_hits") / looked if looked else None,
             tokens_per_round=total("emitted_tokens") / rounds if rounds else None,
             busy_s=busy,
+            draft_nodes_per_token=drafted / tokens if stats and tokens else None,
         )
 
 

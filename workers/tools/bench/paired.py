@@ -21,7 +21,8 @@ Prints, per point: each mode's median tokens/s over its waves, the median
 of the pairs' ratios (auto / off) with their spread and a 95% interval for
 it (`median_interval`: where it holds 1.00, the pairs cannot tell the modes
 apart on this machine), the pairs where auto was ahead, the default's
-tokens per target forward, each mode's tokens per round trip to the target
+tokens per target forward and the draft tree nodes it sent the target a token
+(`Point.draft_nodes`), each mode's tokens per round trip to the target
 (its verify calls), the share of its streams' time each mode's waves spent
 in requests (`Point.busy`), and the CPU time the serve's gateway process and
 its workers spent per token in each mode (from /proc: these cores are shared,
@@ -137,6 +138,12 @@ class Point:
             for w in self.of(mode)
         )
 
+    def draft_nodes(self) -> float:
+        """Median over the default's waves of the draft tree nodes it sent the target a
+        token: 0.00 with the same tokens a round trip as off says both modes had the target
+        do the same work, so that their ratio measures the machine between waves."""
+        return statistics.median(w.figures.draft_nodes_per_token or 0.0 for w in self.of("auto"))
+
     def tokens_per_round(self, mode: str) -> float:
         """Median over the mode's waves of the tokens a round trip to the target brought
         (decode steps bring several without a draft): where τ is 1.00 in both modes, the
@@ -229,9 +236,10 @@ def table(points: list[Point], greedy: bool = True) -> list[str]:
     lines = [
         "| streams | off, tokens/s | the default, tokens/s | default / off, median of pairs "
         "| pairs' range | 95% interval | default ahead | τ of the default "
-        "| tokens a round trip, off → default | streams busy, off → default "
+        "| draft nodes a token, default | tokens a round trip, off → default "
+        "| streams busy, off → default "
         "| CPU ms a token, gateway, off → default | workers | same texts |",
-        "|---:|---:|---:|---:|---|---|---:|---:|---|---|---|---|:---:|",
+        "|---:|---:|---:|---:|---|---|---:|---:|---:|---|---|---|---|:---:|",
     ]
     for point in points:
         ratios = point.ratios()
@@ -246,7 +254,7 @@ def table(points: list[Point], greedy: bool = True) -> list[str]:
         lines.append(
             f"| {point.streams} | {off:.1f} | {auto:.1f} | **{statistics.median(ratios):.2f}** "
             f"| {min(ratios):.2f}–{max(ratios):.2f} | {held} | {ahead} of {len(ratios)} "
-            f"| {'-' if tau is None else f'{tau:.2f}'} "
+            f"| {'-' if tau is None else f'{tau:.2f}'} | {point.draft_nodes():.2f} "
             f"| {point.tokens_per_round('off'):.2f} → {point.tokens_per_round('auto'):.2f} "
             f"| {point.busy('off'):.2f} → {point.busy('auto'):.2f} "
             f"| {cpu[1]:.2f} → {cpu[0]:.2f} "
