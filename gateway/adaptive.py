@@ -54,14 +54,19 @@ path, so every tree round also measures what a chain would have accepted).
 Where tokens are dear a chain often pays and the tree does not: the other
 branches rarely catch what the spine misses. D = 0 turns speculation off
 for the round (it does not pay: a slow or compute-bound target, low
-acceptance, many sessions). A session that has not drafted for `probe_every` times S rounds
-drafts one node (a probe), so its estimate can recover when the text turns
+acceptance, many sessions). Once the sessions have not drafted a kind of
+round for `probe_every` times S rounds between them, the next to weigh it
+drafts one node (a probe), so the estimates can recover when the text turns
 copyable. The period grows with S because the target batches the S
 sessions' rounds: a probe's node costs the whole batch its forward time and,
 fed beside one-token decodes, a second attention call
-(workers/engine/batch.py), and S sessions probing every 8th round would put
-about S/8 probes in every forward. This way a batch carries about one probe
-every `probe_every` forwards, whatever S.
+(workers/engine/batch.py). This way a batch carries about one probe every
+`probe_every` forwards, whatever S. The rounds are counted over every
+session (`adapt`'s `probes`): a count of one session's own, 8 × S of them,
+never came within a request at 8 or more streams (16-18 rounds of 64
+tokens), so once no session drafted a kind its estimate stayed where the last
+drafted rounds left it, and the verdict "no draft pays" kept itself true
+(bench/runs/2026-11-28-reweigh).
 
 Above the rounds, a target's sessions draft in turns of epochs
 (gateway/epochs.py): in its plain epochs no session looks up or drafts, and
@@ -561,22 +566,25 @@ def adapt(
     sessions: int,
     cost: RoundCost,
     config: AdaptiveConfig,
+    probes: Rates | None = None,
 ) -> TreeSpec | None:
     """This round's tree within `spec` (the largest allowed), or None for no speculation.
 
     `sessions` is the number of live sessions on the target this session uses,
-    `cost` that target's round cost.
+    `cost` that target's round cost; `probes` the rates whose rounds without a draft
+    count towards this kind's probe (every session's; `rates` where None).
     """
     if spec.depth <= 0 or spec.budget <= 0:
         return None
+    counted = rates if probes is None else probes
     depth, nodes = best_shape(rates, sessions, spec, cost)
     if depth > 0:
-        rates.rounds_off = 0
+        counted.rounds_off = 0
         if nodes == depth:
             return replace(spec, depth=depth, branching=1, budget=depth)
         return replace(spec, depth=depth, budget=nodes)
-    rates.rounds_off += 1
-    if rates.rounds_off < config.probe_every * max(1, sessions):
+    counted.rounds_off += 1
+    if counted.rounds_off < config.probe_every * max(1, sessions):
         return None
-    rates.rounds_off = 0
+    counted.rounds_off = 0
     return replace(spec, depth=1, branching=1, budget=1)  # a probe: one node keeps it alive

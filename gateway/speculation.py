@@ -227,7 +227,8 @@ class Speculation(Loop):
         if self.recent is not None:
             self.rates.follow(self.recent[kind])
         cost = self.round_cost(self.plain_steps())  # what the round would be without a draft
-        return adapt(spec, self.rates, self.load, cost, self.options.adaptive)
+        probes = None if self.recent is None else self.recent[kind]  # every session's rounds
+        return adapt(spec, self.rates, self.load, cost, self.options.adaptive, probes)
 
     def drafting_epoch(self) -> bool:
         """Whether the bound target runs a drafting epoch now (gateway.epochs); True while

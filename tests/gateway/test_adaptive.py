@@ -297,6 +297,27 @@ def test_speculation_backs_off_and_probes_once_a_batch_of_probe_every(sessions):
     assert all(specs[i].depth == 1 and specs[i].budget == 1 for i in probes)  # one node
 
 
+@pytest.mark.parametrize("sessions", [1, 16])
+def test_sessions_count_their_rounds_towards_a_probe_together(sessions):
+    """Rounds without a draft count towards a kind's probe over every session (`probes`):
+    two sessions taking turns probe once every probe_every x S rounds between them, where
+    each counting its own would take twice as long."""
+    own = [rates(0.02), rates(0.02)]
+    every = rates(0.02)
+    period = CONFIG.probe_every * sessions
+    specs = [adapt(SPEC, own[i % 2], sessions, KNEE_20, CONFIG, every) for i in range(2 * period)]
+    assert [i for i, s in enumerate(specs) if s is not None] == [period - 1, 2 * period - 1]
+    assert own[0].rounds_off == own[1].rounds_off == 0  # their own counts are not used
+
+
+def test_a_session_counts_its_rounds_in_every_sessions_rates():
+    prompt = (5, 6, 7, 8) * 2  # every round matches 3 tokens
+    speculation = session(rates(0.02), prompt, ngram=True)
+    assert speculation.shape(SPEC) is None  # no draft pays at alpha 0.02
+    kind = speculation.kind
+    assert speculation.recent[kind].rounds_off == 1 and speculation.rates.rounds_off == 0
+
+
 @pytest.fixture(scope="module", params=["model", "ngram"])
 def greedy_texts(request, tiny_dir, tiny_draft_dir):
     """Greedy replies with adaptive trees off (the reference) and on, with a draft model or
