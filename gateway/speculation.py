@@ -224,11 +224,11 @@ class Speculation(Loop):
         if kind is None:
             return None
         self.kind = kind
-        if self.recent is not None:
-            self.rates.follow(self.recent[kind])
+        every = None if self.recent is None else self.recent[kind]  # every session's rates
+        if every is not None:
+            self.rates.follow(every)
         cost = self.round_cost(self.plain_steps())  # what the round would be without a draft
-        probes = None if self.recent is None else self.recent[kind]  # every session's rounds
-        return adapt(spec, self.rates, self.load, cost, self.options.adaptive, probes)
+        return adapt(spec, self.rates, self.load, cost, self.options.adaptive, every)
 
     def drafting_epoch(self) -> bool:
         """Whether the bound target runs a drafting epoch now (gateway.epochs); True while
