@@ -42,6 +42,17 @@ def test_sampled_waves_draw_their_texts_and_say_so(tiny_dir):
     assert table([point], greedy=False)[-1].endswith("| sampled |")
 
 
+def test_an_a_a_run_sends_speculation_off_in_both_modes(tiny_dir):
+    s = PairedBenchSettings(prompts=3, max_tokens=6, streams="2", pairs=2, candidate="off")
+    with live(tiny_dir, [target(tiny_dir)], served_model_name=MODEL_NAME) as gateway:
+        point = asyncio.run(run_point(gateway.url, s, 2))
+    assert [w.mode for w in point.waves] == ["off", "auto", "auto", "off"]
+    # the default's waves ran as off's: the target alone, nothing drafted
+    assert all(w.figures.acceptance is None for w in point.waves)
+    assert all(w.figures.draft_nodes_per_token == 0.0 for w in point.waves)
+    assert different_texts(point.waves) == []
+
+
 def test_a_text_that_differs_between_waves_is_reported():
     from workers.tools.bench.measure import Figures
     from workers.tools.bench.paired import Wave

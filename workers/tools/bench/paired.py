@@ -17,6 +17,11 @@ cache, so every wave finds the same prompts cached. Every answer must be
 the same text in both modes (greedy); `--temperature` above 0 sends sampled
 requests instead (the OpenAI API's default is 1), whose texts differ by draw.
 
+`--candidate off` makes it an A/A run: the default's waves send speculation
+off as well, so every pair's true ratio is 1.00 and the medians, ranges and
+intervals printed are the spread this machine gives a ratio of equals (what
+a point where the default drafts nothing, and so does off's work, can read).
+
 Prints, per point: each mode's median tokens/s over its waves, the median
 of the pairs' ratios (auto / off) with their spread and a 95% interval for
 it (`median_interval`: where it holds 1.00, the pairs cannot tell the modes
@@ -74,6 +79,12 @@ class PairedBenchSettings(BaseSettings):
         0.0, ge=0, le=2, description="the requests' temperature; 0: greedy, the same texts"
     )
     serve_args: str = Field("", description="extra `specsplit serve` arguments")
+    candidate: str = Field(
+        "auto",
+        pattern="^(auto|off)$",
+        description="what the default's waves send: auto (the deployment's speculation), or "
+        "off for an A/A run (both modes off: the spread of a ratio whose truth is 1.00)",
+    )
 
     def points(self) -> list[int]:
         return [int(x) for x in self.streams.split(",") if x.strip()]
@@ -176,7 +187,8 @@ async def run_wave(
 ) -> Wave:
     per_stream = max(s.requests_per_stream, math.ceil(len(conversations) / streams))
     before = serve_cpu(pid)
-    extra = {**(MODES[mode] or {}), "temperature": s.temperature}
+    body = MODES[s.candidate if mode == "auto" else mode]  # the "auto" waves: the candidate's
+    extra = {**(body or {}), "temperature": s.temperature}
     timed, wall = await run_streams(
         url, conversations, streams, per_stream, s.max_tokens, lambda text: 1, extra
     )
@@ -271,6 +283,7 @@ def run(s: PairedBenchSettings) -> str:
         f"`specsplit bench paired`: {s.workload}, {s.prompts} prompts, {s.max_tokens} tokens "
         f"a request, {sampling}, {s.pairs} pairs of waves a point; serve: `make run`'s defaults"
         + (f" and `{s.serve_args}`" if s.serve_args else ""),
+        *(["an A/A run: the default's waves send speculation off too"] * (s.candidate == "off")),
         f"machine: {describe()}; load average before {load}, after {load_words()}",
         "",
     ]
