@@ -51,6 +51,7 @@ import shlex
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings
@@ -79,9 +80,8 @@ class PairedBenchSettings(BaseSettings):
         0.0, ge=0, le=2, description="the requests' temperature; 0: greedy, the same texts"
     )
     serve_args: str = Field("", description="extra `specsplit serve` arguments")
-    candidate: str = Field(
+    candidate: Literal["auto", "off"] = Field(
         "auto",
-        pattern="^(auto|off)$",
         description="what the default's waves send: auto (the deployment's speculation), or "
         "off for an A/A run (both modes off: the spread of a ratio whose truth is 1.00)",
     )
