@@ -6,29 +6,32 @@ beside `choices` on each chunk that carries a choice's text, an object
     "specsplit": {
       "tokens": [{"i": 7, "text": " the", "round": 3, "source": "draft",
                   "kind": "accepted", "drafter": "ngram"}, ...],
-      "rounds": [{"round": 3, "tree_nodes": 12, "accepted": 4, "tokens": 5,
-                  "forwards": 1, "drafter": "ngram", "degraded": false,
-                  "draft_ms": 0.4, "verify_ms": 41.2}]
+      "rounds": [{"round": 3, "tree_nodes": 12, "accepted": 4, "lookup_nodes": 0,
+                  "lookup_accepted": 0, "tokens": 5, "forwards": 1,
+                  "drafter": "ngram", "degraded": false, "draft_ms": 0.4,
+                  "verify_ms": 41.2}]
     }
 
 - `tokens`: the generated tokens whose text the chunk carries, in order; their
   `text`s join to exactly the chunk's text. `i` counts the choice's generated
   tokens from 0. `source` "draft": a draft token the target accepted (`kind`
-  "accepted", `drafter` "ngram" (prompt lookup), "model" (a draft model), "feature"
-  (an EAGLE-style head) or "hybrid" (either's tree merged with the gateway's prompt
-  lookup)); "target": the token the target
-  adds after the accepted path, a "correction" where it replaced a draft guess
-  the target rejected, a "bonus" where the draft had proposed nothing further.
+  "accepted", `drafter` "ngram" (prompt lookup: the gateway's, or the target
+  worker's own during decode steps), "model" (a draft model), "feature" (an
+  EAGLE-style head) or "hybrid" (either's tree merged with the gateway's prompt
+  lookup)); "target": the token the target adds after the accepted path, a
+  "correction" where it replaced a draft guess the target rejected, a "bonus"
+  where the draft had proposed nothing further.
   A character that several tokens make (the bytes of one UTF-8 character) is
   the text of the first of them, and the others have "" (they still come, with
   their own round and source). A token whose text a possible stop string holds
   back in part comes in two chunks, with the same `i`.
 - `rounds`: the rounds verified since the choice's previous chunk (a round
   whose text is all held back is reported with the next one): its tree's
-  nodes, the draft tokens accepted, the tokens it committed, the target
-  forwards that made them (more than one where a round without a draft had
-  the target decode several tokens in a row: `--decode-steps`) and the time
-  of its propose and verify calls.
+  nodes and the draft tokens accepted of them, the tokens the target's own
+  lookup drafted during its steps (`--decode-lookup`) and those accepted, the
+  tokens it committed, the target forwards that made them (more than one
+  where a round without a draft had the target decode several tokens in a
+  row: `--decode-steps`) and the time of its propose and verify calls.
 
 Clients that do not ask see no change, and the text is the same either way.
 """
@@ -67,20 +70,27 @@ class Provenance:
         """A committed round: its tokens' origins (accepted draft tokens, then the target's)."""
         self.count += 1
         target = "correction" if round_.corrected else "bonus"
+        looked_up = set(round_.looked_up)
+        from_tree = round_.accepted - len(round_.looked_up)
         for k in range(len(round_.tokens)):
-            if k < round_.accepted:
+            if k in looked_up:
+                self.origins.append(Origin(self.count, "draft", "accepted", "ngram"))
+            elif k < from_tree:
                 self.origins.append(Origin(self.count, "draft", "accepted", drafter))
             else:
                 self.origins.append(Origin(self.count, "target", target))
         draft_s, verify_s = round_.seconds
+        lookup_accepted = len(round_.looked_up)
         self.pending.append(
             {
                 "round": self.count,
-                "tree_nodes": round_.drafted,
-                "accepted": round_.accepted,
+                "tree_nodes": round_.drafted - round_.lookup_nodes,
+                "accepted": round_.accepted - lookup_accepted,
+                "lookup_nodes": round_.lookup_nodes,
+                "lookup_accepted": lookup_accepted,
                 "tokens": len(round_.tokens),
                 "forwards": round_.steps,
-                "drafter": drafter if round_.drafted else None,
+                "drafter": drafter if round_.drafted > round_.lookup_nodes else None,
                 "degraded": round_.degraded,
                 "draft_ms": round(draft_s * 1000, 2),
                 "verify_ms": round(verify_s * 1000, 2),

@@ -84,6 +84,15 @@ class GatewayOptions(BaseSettings):
         "sampled request that drafts, nor while a session's drafts would pay against such "
         "rounds and one was accepted in the last twice this many tokens; 1 = a token a round",
     )
+    decode_lookup: int = Field(
+        3,
+        ge=0,
+        le=16,
+        description="each of a greedy speculating round's decode steps also verifies up to this "
+        "many tokens the target worker drafts itself by prompt lookup over the session's "
+        "history (its latest 3-token matches), in the same forward: what the gateway's own "
+        "drafts would cost a round trip; 0 = none",
+    )
     allow_lossy: bool = Field(
         False,
         description="serve requests that opt into a lossy acceptance rule (speculation."
@@ -154,6 +163,7 @@ class GatewayOptions(BaseSettings):
             self.hybrid_draft,
             self.ngram_min_match,
             self.decode_steps,
+            self.decode_lookup,
         )
 
     def suffix_cache(self) -> SuffixCache | None:

@@ -82,6 +82,8 @@ class LoopOptions:
     ngram_min_match: int = MIN_MATCH
     # tokens the target decodes in a row for a round that drafts nothing (VerifyCall.steps)
     decode_steps: int = 1
+    # tokens each such step may verify from the target worker's own lookup (VerifyCall.lookup)
+    decode_lookup: int = 0
 
 
 # the shortest match a hybrid round's n-gram part copies after: a one-token match is
@@ -175,6 +177,7 @@ class Speculation(Loop):
             router.session_id(affinity, index),
             keep=affinity is not None,
             steps=options.decode_steps,
+            lookup=options.decode_lookup,
         )
         self.metrics = metrics
         self.options = options
@@ -442,7 +445,9 @@ class Speculation(Loop):
     def observe(self, tree: TokenTree, round_: Round) -> None:
         draft_s, verify_s = round_.seconds
         self.quiet = max(0, self.quiet - 1)
-        self.unaccepted = 0 if round_.accepted else self.unaccepted + len(round_.tokens)
+        # a draft of the gateway's accepted (the target's own lookups do not count: steps)
+        drafted = round_.accepted > len(round_.looked_up)
+        self.unaccepted = 0 if drafted else self.unaccepted + len(round_.tokens)
         if self.route.drafts:
             self.metrics.round_phase.labels("draft").observe(draft_s)
         self.metrics.round_phase.labels("verify").observe(verify_s)

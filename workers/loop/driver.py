@@ -127,6 +127,8 @@ class Loop:
     keep: bool = False  # a clean end keeps the worker sessions (a conversation's next turn)
     # tokens the target decodes in a row for a round that drafts nothing (`decode_steps`)
     steps: int = 1
+    # tokens each of those steps may verify from the target worker's own lookup (`lookup`)
+    lookup: int = 0
     draft: Seat = field(default_factory=Seat)
     target: Seat = field(default_factory=Seat)
     # the target's states of the positions its latest verify committed, asked for while the
@@ -237,6 +239,14 @@ class Loop:
         if len(tree) or self.target.held < len(self.history):
             return 1
         return max(1, min(self.plain_steps(), self.state.remaining))
+
+    def lookups(self, steps: int) -> int:
+        """Tokens each decode step of a round of `steps` may verify from the target's own
+        prompt lookup (VerifyCall.lookup): a greedy exact session that speculates."""
+        plan = self.state.plan
+        if steps <= 1 or not self.route.drafts or not plan.acceptance.lossless:
+            return 0
+        return self.lookup if plan.params.greedy else 0
 
     def plain_steps(self) -> int:
         """The steps a round of this session without a draft takes now (`decode_steps`);
@@ -349,8 +359,10 @@ class Loop:
                 plan.acceptance,
                 wants_features,
                 plan.cache_salt,
-                self.decode_steps(tree),
+                steps := self.decode_steps(tree),
                 tuple(plan.stop_ids),
+                lookup := self.lookups(steps),
+                self.state.remaining if lookup else 0,
             )
             try:
                 work = len(call.tokens) + len(tree) + call.steps - 1

@@ -42,8 +42,8 @@ class Plan:
 class Counters:
     """Speculation counters of one generation (summed over a request's choices)."""
 
-    draft_tokens: int = 0  # tree nodes sent to verification
-    accepted_tokens: int = 0  # tree nodes the target accepted
+    draft_tokens: int = 0  # tree nodes sent to verification (and the target's own lookups)
+    accepted_tokens: int = 0  # of them, accepted
     verify_steps: int = 0  # target forwards that committed tokens (a round's, or its steps)
     rounds: int = 0  # verify calls: round trips to the target, whatever they committed
     emitted_tokens: int = 0  # accepted + bonus tokens
@@ -78,7 +78,7 @@ class Round:
     tokens: list[int]  # committed this round: accepted draft tokens, then the bonus token
     logprobs: list[TokenLogprob] | None  # one per token, when asked for
     finish_reason: str | None  # "stop" (a stop token), "length" (max_tokens) or None
-    drafted: int = 0  # tree nodes verified this round
+    drafted: int = 0  # tree nodes verified this round (and the target's own lookups)
     accepted: int = 0  # of them, accepted (the bonus token comes on top)
     degraded: bool = False  # no draft answered: the target decoded alone
     prefix_hit: int = 0  # cached prompt tokens the target reused this round
@@ -87,6 +87,10 @@ class Round:
     corrected: bool = False
     seconds: tuple[float, float] = (0.0, 0.0)  # its propose and verify calls' wall time
     steps: int = 1  # target forwards that made its tokens (VerifyCall.steps)
+    # tokens the target's own lookup drafted during its steps (VerifyOutcome.lookup_nodes),
+    # and the indices in `tokens` of those it accepted; both count in `drafted` / `accepted`
+    lookup_nodes: int = 0
+    looked_up: tuple[int, ...] = ()
 
 
 @dataclass
@@ -139,8 +143,9 @@ class LoopState:
             self.finish_reason = "length"
         self.history.extend(tokens)
         c = self.counters
-        c.draft_tokens += len(tree)
-        c.accepted_tokens += len(outcome.accepted)
+        looked_up = tuple(i for i in outcome.lookup_accepted if i < len(tokens))
+        c.draft_tokens += len(tree) + outcome.lookup_nodes
+        c.accepted_tokens += len(outcome.accepted) + len(looked_up)
         c.verify_steps += outcome.steps
         c.rounds += 1
         c.emitted_tokens += len(outcome.emitted)
@@ -152,13 +157,15 @@ class LoopState:
             tokens,
             logprobs,
             self.finish_reason,
-            len(tree),
-            len(outcome.accepted),
+            len(tree) + outcome.lookup_nodes,
+            len(outcome.accepted) + len(looked_up),
             degraded,
             outcome.prefix_hit,
             corrected=bool((tree.parents == last).any()) if len(tree) else False,
             seconds=seconds,
             steps=outcome.steps,
+            lookup_nodes=outcome.lookup_nodes,
+            looked_up=looked_up,
         )
 
 

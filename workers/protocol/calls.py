@@ -111,10 +111,23 @@ class VerifyCall:
     # token. A tree, or return_hidden, answers after one forward whatever this says
     steps: int = 1
     stop_ids: tuple[int, ...] = ()  # tokens that end a generation: no step follows them
+    # with steps > 1, a greedy exact call: each step also verifies up to this many tokens
+    # the worker drafts by prompt lookup over the session's history (runner.py, "Lookup
+    # during decode steps"), and the call emits up to `most` tokens (0: steps)
+    lookup: int = 0
+    most: int = 0
 
     def __post_init__(self):
-        if self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.steps < 1 or self.lookup < 0 or self.most < 0:
+            raise ValueError(
+                f"need steps >= 1, lookup >= 0, most >= 0; got {self.steps}, {self.lookup}, "
+                f"{self.most}"
+            )
+
+    @property
+    def most_emitted(self) -> int:
+        """The most tokens the call emits."""
+        return self.most or self.steps
 
 
 class Unfinished:
@@ -159,6 +172,8 @@ class VerifyOutcome:
     hidden: Features | None = None  # when asked: the states after each token fed and committed
     dropped: int = 0  # nodes at the tree's end the target left out (workers/target/runner.py)
     steps: int = 1  # forwards that made `emitted` (VerifyCall.steps; 1 with a tree)
+    lookup_nodes: int = 0  # tokens the worker's own lookup drafted in those steps
+    lookup_accepted: tuple[int, ...] = ()  # of `emitted`, the indices of those accepted
 
 
 @dataclass(frozen=True)

@@ -219,6 +219,8 @@ def verify_request(call: VerifyCall) -> pb.VerifyRequest:
         cache_salt=call.cache_salt,
         steps=call.steps,
         stop_ids=call.stop_ids,
+        lookup=call.lookup,
+        most=call.most,
     )
 
 
@@ -235,6 +237,8 @@ def verify_call(msg: pb.VerifyRequest) -> VerifyCall:
         msg.cache_salt,
         max(1, msg.steps),
         tuple(msg.stop_ids),
+        msg.lookup,
+        msg.most,
     )
 
 
@@ -247,6 +251,8 @@ def verify_response(outcome: VerifyOutcome) -> pb.VerifyResponse:
         timings=timings_to_proto(outcome.timings),
         dropped=outcome.dropped,
         steps=outcome.steps,
+        lookup_nodes=outcome.lookup_nodes,
+        lookup_accepted=outcome.lookup_accepted,
         **_features_field("hidden", outcome.hidden),
     )
     for lp in outcome.logprobs or []:
@@ -269,6 +275,8 @@ def verify_outcome(msg: pb.VerifyResponse) -> VerifyOutcome:
         _features(msg, "hidden"),
         msg.dropped,
         max(1, msg.steps),
+        msg.lookup_nodes,
+        tuple(msg.lookup_accepted),
     )
 
 

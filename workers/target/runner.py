@@ -35,6 +35,17 @@ context answers at once, and every such call is answered after the forwards
 whose count is a multiple of its `steps`, so that sessions decoding side by
 side go back to the gateway together and the target waits for their next
 calls once every `steps` forwards, not once a forward.
+
+Lookup during decode steps: a greedy exact call with `lookup` > 0 also has
+each of its decode steps verify up to that many tokens the worker drafts
+itself, by prompt lookup over the session's history (its longest earlier
+3-token match's continuations, workers/speculation/ngram.py), in the same
+forward; the accepted ones and the target's token after them are that step's
+tokens, up to `most` in all. What the batch's sessions gain costs no round
+trip: a draft the gateway sends is a round of its own, answered after one
+forward, and the steps beside it wait for its next call (vLLM's n-gram
+speculation runs inside its engine for the same reason). The output is the
+target's greedy tokens whatever the lookup finds (the same `verify`).
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ from workers.protocol import (
     VerifyOutcome,
     WorkerInfo,
 )
+from workers.speculation.ngram import MAX_NGRAM, SuffixIndex, ngram_tree
 from workers.speculation.sampling import TARGET_STREAM, round_generator
 from workers.speculation.tree import TokenTree, check_tokens, depths, validate_tree
 from workers.speculation.verify import verify
@@ -79,8 +91,11 @@ class Decoding:
 
     call: VerifyCall
     prefix_hit: int
-    emitted: list[int] = field(default_factory=list)  # its tokens so far, one a step
+    emitted: list[int] = field(default_factory=list)  # its tokens so far
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one a token, when asked
+    forwards: int = 0  # its steps so far
+    lookup_nodes: int = 0  # tokens its steps' lookups drafted
+    lookup_accepted: list[int] = field(default_factory=list)  # their indices in `emitted`
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,12 @@ class Prepared:
     known: torch.Tensor | None = None
     dropped: int = 0  # nodes cut from the end of the call's tree (`TargetRunner.fit_blocks`)
     decoding: Decoding | None = None  # the call's earlier decode steps, if any
+    looked_up: TokenTree | None = None  # a decode step's own draft (`TargetRunner.lookup`)
+
+    @property
+    def tree(self) -> TokenTree:
+        """The tree this row verifies: the step's own draft, else the call's."""
+        return self.looked_up if self.looked_up is not None else self.call.tree
 
 
 def region(pending: list[int], tree: TokenTree) -> tuple[list[int], list[int]]:
@@ -139,6 +160,8 @@ class TargetRunner:
         self.chunking: dict[str, Prefill] = {}  # session -> its call being fed in chunks
         self.decoding: dict[str, Decoding] = {}  # session -> its call between decode steps
         self.forwards = 0  # forwards run; decode steps end on a multiple of a call's steps
+        # session -> (that session, the index of its history) for decode steps' lookups
+        self.indexes: dict[str, tuple[Session, SuffixIndex]] = {}
         # the states of shared prompt prefixes, for feature sessions (with prefix caching)
         shared = engine.cache.prefixes is not None
         self.states = (
@@ -169,11 +192,54 @@ class TargetRunner:
                 going = Prefill(call, hit, [known] if known is not None else [])
                 known = None
             self.chunking[call.session_id] = going
+            looked_up = None
         else:
-            row = tree_row(session, call.tree)
+            looked_up = self.lookup(call, session, decoding)
+            row = tree_row(session, looked_up if looked_up is not None else call.tree)
         self.table.reserve(session, session.cached + len(row.parents), busy)
         chunk = row.logits_for == 0
-        return Prepared(call, session, row, hit, chunk, going, known, decoding=decoding)
+        return Prepared(call, session, row, hit, chunk, going, known, 0, decoding, looked_up)
+
+    def lookup(
+        self, call: VerifyCall, session: Session, decoding: Decoding | None
+    ) -> TokenTree | None:
+        """A decode step's own draft (module docstring, "Lookup during decode steps"):
+        the continuations of the history's latest 3-token matches, as many tokens as the
+        call still emits less the step's own, None where there is none."""
+        if not call.lookup or call.steps <= 1 or len(call.tree) or call.return_hidden:
+            return None
+        if not (call.params.greedy and call.acceptance.lossless):
+            return None
+        emitted = len(decoding.emitted) if decoding is not None else 0
+        room = min(
+            call.lookup,
+            call.most_emitted - emitted - 1,
+            self.engine.context_length - len(session.committed) - 1,
+        )
+        if room <= 0:
+            return None
+        tree = ngram_tree(self.index(session), min_ngram=MAX_NGRAM, depth=room, budget=room)
+        return tree if len(tree) else None
+
+    def index(self, session: Session) -> SuffixIndex:
+        """The session's history indexed for lookups, brought up to date. A history that
+        no longer extends the indexed one (a restart, a rollback) is indexed anew; a
+        rollback that kept the last token is missed, which costs a draft's quality
+        only, never the output."""
+        held = self.indexes.get(session.id)
+        committed = session.committed
+        if (
+            held is None
+            or held[0] is not session
+            or len(held[1]) > len(committed)
+            or (len(held[1]) and held[1].tokens[-1] != committed[len(held[1]) - 1])
+        ):
+            if len(self.indexes) >= 2 * self.table.num_slots:  # drop those of evicted sessions
+                self.indexes = {k: v for k, v in self.indexes.items() if k in self.table.sessions}
+            held = self.indexes[session.id] = (session, SuffixIndex())
+        index = held[1]
+        index.extend(committed[len(index) :])
+        return index
 
     def sync(self, call: VerifyCall, busy: set[str]) -> tuple[Session, int]:
         """Checks the call and brings its session up to date; returns it and the prefix hit."""
@@ -237,11 +303,16 @@ class TargetRunner:
         if call.steps <= 1 or len(call.tree) or call.return_hidden:
             return outcome
         done = p.decoding or Decoding(call, p.prefix_hit)
+        if p.looked_up is not None:
+            done.lookup_nodes += len(p.looked_up)
+            first = len(done.emitted)
+            done.lookup_accepted += range(first, first + len(outcome.accepted))
         done.emitted += outcome.emitted
         done.logprobs += outcome.logprobs or []
+        done.forwards += 1
         more = (
-            len(done.emitted) < call.steps
-            and outcome.emitted[-1] not in call.stop_ids
+            len(done.emitted) < call.most_emitted
+            and not any(token in call.stop_ids for token in outcome.emitted)
             and len(p.session.committed) < self.engine.context_length
             and self.forwards % call.steps
         )
@@ -249,7 +320,15 @@ class TargetRunner:
             self.decoding[call.session_id] = done
             return UNFINISHED
         logprobs = done.logprobs if call.num_logprobs >= 0 else None
-        return VerifyOutcome([], done.emitted, logprobs, done.prefix_hit, steps=len(done.emitted))
+        return VerifyOutcome(
+            [],
+            done.emitted,
+            logprobs,
+            done.prefix_hit,
+            steps=done.forwards,
+            lookup_nodes=done.lookup_nodes,
+            lookup_accepted=tuple(done.lookup_accepted),
+        )
 
     def fit_blocks(self, prepared: list[tuple[int, Prepared]]) -> list[tuple[int, Prepared]]:
         """Cuts the last nodes of greedy trees where they alone would open the forward's
@@ -273,7 +352,7 @@ class TargetRunner:
         total = sum(len(p.row.tokens) for _, p in prepared)
         spill = total - (total - 1) // block * block  # tokens in the last block, 1 .. block
         sizes = {
-            j: len(p.call.tree)
+            j: len(p.tree)
             for j, (_, p) in enumerate(prepared)
             if not p.chunk and p.call.params.greedy and p.call.acceptance.lossless
         }
@@ -291,22 +370,24 @@ class TargetRunner:
     @staticmethod
     def cut(p: Prepared, dropped: int) -> Prepared:
         """The prepared call without the last `dropped` nodes of its tree."""
-        tree = p.call.tree.head(len(p.call.tree) - dropped)
-        return replace(
-            p, call=replace(p.call, tree=tree), row=tree_row(p.session, tree), dropped=dropped
-        )
+        tree = p.tree.head(len(p.tree) - dropped)
+        row = tree_row(p.session, tree)
+        if p.looked_up is not None:  # the call stays the one its next step continues
+            return replace(p, looked_up=tree if len(tree) else None, row=row)
+        return replace(p, call=replace(p.call, tree=tree), row=row, dropped=dropped)
 
     def finish(self, p: Prepared, logits: torch.Tensor, hidden: torch.Tensor) -> VerifyOutcome:
         # logits: (N + 1, V): row 0 after the last pending token, row i + 1 after node i
         # hidden: (P + N, E): the state after each pending token, then after each node
         session, call = p.session, p.call
         start = session.cached  # the history position of the first token fed
+        tree = p.tree
         generator = round_generator(call.params, len(session.committed), TARGET_STREAM)
-        verdict = verify(call.tree, logits, call.params, generator, call.acceptance)
+        verdict = verify(tree, logits, call.params, generator, call.acceptance)
         pending = len(session.pending)
         keep = list(range(pending)) + [pending + a for a in verdict.accepted]
         self.engine.commit(session.slot, session.cached, keep)
-        emitted = [int(call.tree.tokens[a]) for a in verdict.accepted] + [verdict.bonus]
+        emitted = [int(tree.tokens[a]) for a in verdict.accepted] + [verdict.bonus]
         session.committed.extend(emitted)
         self.table.advance(session, len(keep))
         rows = [0] + [1 + a for a in verdict.accepted]
@@ -342,6 +423,7 @@ class TargetRunner:
     def end(self, session_id: str) -> bool:
         self.chunking.pop(session_id, None)
         self.decoding.pop(session_id, None)
+        self.indexes.pop(session_id, None)
         if self.states is not None:
             self.states.forget(session_id)
         return self.table.end(session_id)
