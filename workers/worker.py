@@ -123,6 +123,14 @@ class WorkerSettings(EngineOptions):
         "whose last nodes alone would open a block and fill less than half of it are cut; "
         "0 = the engine's (16 on the AMX tile unit, else 1); 1 = never cut",
     )
+    lookup_rows: int = Field(
+        -1,
+        ge=-1,
+        description="a target's forward may carry decode steps' own prompt-lookup drafts "
+        "(the gateway's --decode-lookup) while it feeds at most this many tokens: the rows it "
+        "computes about as cheaply as one; -1 = the engine's (16 on the AMX tile unit, 6 on "
+        "the bfloat16 kernel's vector paths, else 1); 0 = none",
+    )
     drain_s: float = Field(
         1.0,
         ge=0,

@@ -34,6 +34,8 @@ SOURCE = Path(__file__).with_name("bf16_linear.c")
 # rows the tile unit computes at once (bf16_linear.c's AMX_ROWS): on it a call of 17 rows
 # costs what one of 32 does, each layer's products taking another pass over the weights
 AMX_ROWS = 16
+# rows a tile of the vector paths computes (bf16_linear.c's RT, AVX512_BF16 and AVX2 alike)
+KERNEL_ROWS = 6
 
 
 class Bf16Kernel:

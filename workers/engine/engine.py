@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from workers.engine.batch import SlotInput, build_batch
-from workers.engine.bf16_linear import AMX_ROWS, Bf16Linear, bf16_kernel
+from workers.engine.bf16_linear import AMX_ROWS, KERNEL_ROWS, Bf16Linear, bf16_kernel
 from workers.engine.cuda_graphs import CudaGraphs
 from workers.engine.eagle import EagleHead, draft_kind, load_fuse, load_vocab
 from workers.engine.kv_cache import PagedKVCache
@@ -203,6 +203,19 @@ class Engine:
         linear layers run on it (workers/engine/bf16_linear.py); 1 elsewhere."""
         head = self.model.lm_head
         return AMX_ROWS if isinstance(head, Bf16Linear) and head.kernel.amx else 1
+
+    @property
+    def cheap_rows(self) -> int:
+        """Tokens a forward feeds for about the cost of one: the tile unit's block where
+        the linear layers run on it; the bfloat16 kernel's first tile of KERNEL_ROWS
+        elsewhere (a forward of 1 to 6 tokens behind 300 cached took 10.6-12.9 ms on a
+        Zen 4, one of 8 took 15-16: bench/RESULTS.md, "Lookup during decode steps"); 1 where
+        it was not measured (float32, CUDA). What decode steps' own drafts fill
+        (workers/target/runner.py)."""
+        head = self.model.lm_head
+        if not isinstance(head, Bf16Linear):
+            return 1
+        return AMX_ROWS if head.kernel.amx else KERNEL_ROWS
 
     def torch_beside_kernel(self) -> None:
         """Puts torch on one thread where this engine runs the bfloat16 kernel: the kernel

@@ -283,6 +283,7 @@ def runner_for(
                 chunk,
                 state_bytes=states,
                 row_block=settings.row_block or None,
+                lookup_rows=None if settings.lookup_rows < 0 else settings.lookup_rows,
             ),
             0,
         )

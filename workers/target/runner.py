@@ -56,6 +56,7 @@ import torch
 
 from workers.engine.batch import SlotInput
 from workers.engine.engine import Engine
+from workers.engine.kv_cache import OutOfBlocks
 from workers.engine.sessions import Session, SessionTable
 from workers.protocol import (
     FEATURE_DTYPE,
@@ -149,9 +150,12 @@ class TargetRunner:
         hidden_bytes: int = HIDDEN_BYTES,
         state_bytes: int = STATE_BYTES,
         row_block: int | None = None,
+        lookup_rows: int | None = None,
     ):
         self.engine = engine
         self.row_block = row_block or engine.row_block  # see `fit_blocks`
+        # a forward's tokens that decode steps' own drafts may fill (`fill_rows`)
+        self.lookup_rows = engine.cheap_rows if lookup_rows is None else lookup_rows
         self.table = table
         table.attach(engine.cache)
         self.max_tree_nodes = min(max_tree_nodes or engine.max_tree_nodes, engine.max_tree_nodes)
@@ -192,27 +196,47 @@ class TargetRunner:
                 going = Prefill(call, hit, [known] if known is not None else [])
                 known = None
             self.chunking[call.session_id] = going
-            looked_up = None
         else:
-            looked_up = self.lookup(call, session, decoding)
-            row = tree_row(session, looked_up if looked_up is not None else call.tree)
+            row = tree_row(session, call.tree)
         self.table.reserve(session, session.cached + len(row.parents), busy)
         chunk = row.logits_for == 0
-        return Prepared(call, session, row, hit, chunk, going, known, 0, decoding, looked_up)
+        return Prepared(call, session, row, hit, chunk, going, known, decoding=decoding)
 
-    def lookup(
-        self, call: VerifyCall, session: Session, decoding: Decoding | None
-    ) -> TokenTree | None:
-        """A decode step's own draft (module docstring, "Lookup during decode steps"):
-        the continuations of the history's latest 3-token matches, as many tokens as the
-        call still emits less the step's own, None where there is none."""
-        if not call.lookup or call.steps <= 1 or len(call.tree) or call.return_hidden:
+    def fill_rows(self, prepared: list[tuple[int, Prepared]]) -> list[tuple[int, Prepared]]:
+        """Decode steps' own drafts in the rows the forward computes about as cheaply as
+        its first (`lookup_rows`; module docstring, "Lookup during decode steps"): each
+        step in turn gets up to its call's `lookup` tokens while the forward's tokens stay
+        within them, and a session only where its KV blocks have room without evicting
+        another."""
+        free = self.lookup_rows - sum(len(p.row.tokens) for _, p in prepared)
+        filled = []
+        for i, p in prepared:
+            tree = self.lookup(p, free) if free > 0 else None
+            if tree is not None:
+                row = tree_row(p.session, tree)
+                try:
+                    self.engine.cache.reserve(p.session.slot, p.session.cached + len(row.parents))
+                except OutOfBlocks:
+                    tree = None
+            if tree is not None:
+                free -= len(tree)
+                p = replace(p, looked_up=tree, row=row)
+            filled.append((i, p))
+        return filled
+
+    def lookup(self, p: Prepared, free: int) -> TokenTree | None:
+        """A decode step's own draft of at most `free` tokens: the continuations of the
+        history's latest 3-token matches, no more than the call still emits less the
+        step's own token; None where there is none."""
+        call, session = p.call, p.session
+        if p.chunk or not call.lookup or call.steps <= 1 or len(call.tree) or call.return_hidden:
             return None
         if not (call.params.greedy and call.acceptance.lossless):
             return None
-        emitted = len(decoding.emitted) if decoding is not None else 0
+        emitted = len(p.decoding.emitted) if p.decoding is not None else 0
         room = min(
             call.lookup,
+            free,
             call.most_emitted - emitted - 1,
             self.engine.context_length - len(session.committed) - 1,
         )
@@ -282,7 +306,7 @@ class TargetRunner:
                 prepared.append((i, self.prepare(call, busy)))
             except Exception as error:  # noqa: BLE001 - returned to that caller only
                 results[i] = error
-        prepared = self.fit_blocks(prepared)
+        prepared = self.fill_rows(self.fit_blocks(prepared))
         if prepared:
             out = self.engine.run([p.row for _, p in prepared])
             self.forwards += 1
