@@ -168,16 +168,17 @@ class Speculation(Loop):
         method: str = "auto",
         suffixes: SuffixCache | None = None,
     ):
+        route = PoolRoute(
+            router, metrics, affinity, method, prompt_blocks(plan.prompt, plan.cache_salt)
+        )
         # a conversation keeps its sessions (and their cached prefix) for its next turn
         super().__init__(
             LoopState(plan),
-            PoolRoute(
-                router, metrics, affinity, method, prompt_blocks(plan.prompt, plan.cache_salt)
-            ),
+            route,
             router.session_id(affinity, index),
             keep=affinity is not None,
             steps=options.decode_steps,
-            lookup=options.decode_lookup,
+            lookup=options.decode_lookup if route.drafts else 0,  # speculation off: none
         )
         self.metrics = metrics
         self.options = options

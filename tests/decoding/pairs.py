@@ -114,12 +114,15 @@ async def pair(
     draft: Engine | str | None = None,
     concurrent: bool = False,
     batch_wait_ms: float = 0,
+    lookup_rows: int = -1,
 ):
+    """`lookup_rows`: the gRPC target's (WorkerSettings.lookup_rows; -1: the engine's)."""
     if transport == "inprocess":
         async with inprocess(target, draft, concurrent) as route:
             yield route
         return
-    async with target_worker(target, batch_wait_ms=batch_wait_ms) as (_, remote_target):
+    served = target_worker(target, batch_wait_ms=batch_wait_ms, lookup_rows=lookup_rows)
+    async with served as (_, remote_target):
         if draft is None:
             yield await Pair.of(remote_target)
             return
@@ -136,6 +139,7 @@ async def run(
     params: SamplingParams = SamplingParams(),
     stop_ids: frozenset[int] = frozenset(),
     steps: int = 1,
+    lookup: int = 0,
 ) -> Generation:
     plan = Plan(prompt, n, params, spec, stop_ids)
-    return await generate(route, plan, uuid.uuid4().hex, steps=steps)
+    return await generate(route, plan, uuid.uuid4().hex, steps=steps, lookup=lookup)

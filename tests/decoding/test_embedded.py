@@ -74,6 +74,23 @@ def test_native_greedy_equals_transformers_generate(embedded_hf, prompts, target
         assert ours == out[0, len(prompt) :].tolist()
 
 
+async def test_decode_steps_own_lookups_equal_target_greedy(target, prompts, target_only):
+    """No draft: every round past the first takes 4 decode steps, each verifying up to 3
+    tokens the gRPC target looks up itself in the session's history (its cheap rows set to
+    8 on this float32 engine), and the texts are the target's greedy ones."""
+    stops = stop_token_ids(target.tokenizer)
+    served = pair("grpc", target, None, batch_wait_ms=SERVED_BATCH_WAIT_MS, lookup_rows=8)
+    async with served as route:
+        generations = await asyncio.gather(
+            *(run(route, p, N, stop_ids=stops, steps=4, lookup=3) for p in prompts)
+        )
+    assert [gen.token_ids for gen in generations] == target_only
+    stats = [gen.stats for gen in generations]
+    assert sum(s.draft_tokens for s in stats) > sum(s.accepted_tokens for s in stats) > 0
+    for gen in generations:  # an accepted lookup saves a forward
+        assert gen.stats.verify_steps + gen.stats.accepted_tokens == len(gen.token_ids)
+
+
 @pytest.mark.parametrize("tree", [TreeSpec(depth=6, budget=16), TreeSpec(depth=6, branching=1)])
 async def test_ngram_draft_equals_target_greedy(target, prompts, target_only, tree):
     generations = await generate_all(target, NGRAM, prompts, tree)

@@ -222,10 +222,16 @@ class SlowTarget(InProcessTarget):
 
 
 def slow_target(
-    path: Path, address: str, delay: float, slots: int = 4, token_delay: float = 0.0
+    path: Path,
+    address: str,
+    delay: float,
+    slots: int = 4,
+    token_delay: float = 0.0,
+    lookup_rows: int | None = None,
 ) -> SlowTarget:
     engine = load_engine(path, slots)
-    backend = SlowTarget(address, TargetRunner(engine, SessionTable(slots)))
+    runner = TargetRunner(engine, SessionTable(slots), lookup_rows=lookup_rows)
+    backend = SlowTarget(address, runner)
     backend.delay = delay
     backend.token_delay = token_delay
     return backend

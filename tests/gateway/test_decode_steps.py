@@ -1,6 +1,8 @@
 """Decode steps through the gateway (`--decode-steps`): rounds without a draft have the
 target decode several tokens in a row, and the client gets the same text, greedy or
-seeded sampling, as with a token a round; the stream's provenance counts the forwards."""
+seeded sampling, as with a token a round; the stream's provenance counts the forwards.
+With `--decode-lookup` each greedy step also verifies the target worker's own prompt
+lookup, and the text is still the target's."""
 
 import httpx
 import pytest
@@ -174,3 +176,32 @@ def test_the_gateway_learns_what_a_round_spends_besides_the_targets_forward(tiny
     weight, outside, beside = cost.gaps
     assert weight > 0 and 0 < outside <= beside
     assert (line.outside_s, line.beside_s) == (outside / weight, beside / weight)
+
+
+def test_decode_steps_own_lookups_give_speculation_offs_text(tiny_dir):
+    """On a target where no draft of the gateway's pays (40 ms a token fed) and whose
+    forwards have 8 cheap rows, a greedy session's steps verify up to 3 tokens the target
+    looks up itself: the text is speculation off's, the provenance names each accepted
+    one, and the stats count them as drafts; a sampled request, and speculation off, take
+    none."""
+    copy = "one two three four five six seven eight nine ten " * 3
+    messages = [{"role": "user", "content": copy}]
+    slow = slow_target(tiny_dir, "t0", 0.0, token_delay=0.040, lookup_rows=8)
+    with live(tiny_dir, [slow], decode_steps=4, decode_lookup=3, suffix_cache_tokens=0) as gateway:
+        client = OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+        chunks = streamed(client, messages, 64, STATS)
+        off = streamed(client, messages, 64, {**STATS, "speculation": {"method": "off"}})
+        sampled = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=32, temperature=1.0,
+            stream=True, stream_options=ASK["stream_options"],
+        )  # fmt: skip
+        sampled_rounds = rounds_of(list(sampled))
+    assert text_of(chunks) == text_of(off)
+    rounds, stats = rounds_of(chunks), chunks[-1].model_extra["speculation_stats"]
+    assert sum(r["lookup_accepted"] for r in rounds) > 0
+    assert stats["draft_tokens"] == sum(r["tree_nodes"] + r["lookup_nodes"] for r in rounds)
+    assert stats["accepted_tokens"] == sum(r["accepted"] + r["lookup_accepted"] for r in rounds)
+    origins = [t for c in chunks for t in (c.model_extra.get("specsplit") or {}).get("tokens", [])]
+    drafted = {t["i"] for t in origins if t["source"] == "draft"}
+    assert len(drafted) == stats["accepted_tokens"]
+    assert not any(r["lookup_nodes"] for r in rounds_of(off) + sampled_rounds)

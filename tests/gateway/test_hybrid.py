@@ -25,9 +25,9 @@ FIXED = dict(adaptive_tree=False, suffix_cache_tokens=0, tree_depth=4, tree_budg
 
 
 @contextlib.contextmanager
-def grpc_workers(engines: dict[str, object]) -> Iterator[dict[str, str]]:
+def grpc_workers(engines: dict[str, object], **overrides) -> Iterator[dict[str, str]]:
     """Real gRPC workers on localhost, one per role -> engine, served from their own
-    event loop in a thread; yields role -> address."""
+    event loop in a thread (`overrides`: their WorkerSettings'); yields role -> address."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -38,7 +38,7 @@ def grpc_workers(engines: dict[str, object]) -> Iterator[dict[str, str]]:
     servers = {}
     try:
         for role, engine in engines.items():
-            servers[role] = run(serve_role(role, engine, worker_settings(role)))
+            servers[role] = run(serve_role(role, engine, worker_settings(role, **overrides)))
         yield {role: f"127.0.0.1:{server.port}" for role, server in servers.items()}
     finally:
         for server in servers.values():

@@ -122,3 +122,90 @@ async def test_the_loop_with_decode_steps_over_grpc_gives_the_targets_greedy_tex
     for prompt, gen in zip(prompts, gens, strict=True):
         assert gen.token_ids == await target_only(0, prompt, 21)
         assert gen.stats.verify_steps >= gen.stats.emitted_tokens - gen.stats.accepted_tokens
+
+
+# --- the target's own lookups during decode steps (VerifyCall.lookup) ----------------------
+
+# prompts whose greedy continuations on the tiny target repeat 3-token runs of the history
+LOOKUP_PROMPTS = [[40, 41, 42, 40, 41], [5, 9, 2, 7, 7] * 3, PROMPT]
+
+
+def looked_up(
+    prompt: list[int], n: int, lookup: int, rows: int, params: SamplingParams = GREEDY
+) -> tuple[list[int], list[VerifyOutcome]]:
+    """The prompt's first n tokens: a first call, then calls of 4 steps with `lookup`."""
+    target = TargetRunner(tiny_engine(seed=0, slots=2), SessionTable(2), lookup_rows=rows)
+    (first,) = target.verify([VerifyCall("s", 0, prompt, TokenTree.empty(), params)])
+    tokens, outs = list(first.emitted), []
+    while len(tokens) < n:
+        held, most = len(prompt) + len(tokens), n - len(tokens)
+        call = VerifyCall(
+            "s", held, [], TokenTree.empty(), params, steps=4, lookup=lookup, most=most
+        )
+        ((_, out),) = answered(target, [call])
+        assert len(out.emitted) <= most and out.steps <= 4
+        tokens += out.emitted
+        outs.append(out)
+    return tokens, outs
+
+
+def test_decode_steps_own_lookups_give_the_tokens_of_single_steps():
+    nodes = accepted = 0
+    for prompt in LOOKUP_PROMPTS:
+        expected, _ = looked_up(prompt, 40, lookup=0, rows=8)
+        tokens, outs = looked_up(prompt, 40, lookup=3, rows=8)
+        assert tokens == expected
+        for out in outs:
+            nodes += out.lookup_nodes
+            accepted += len(out.lookup_accepted)
+            assert all(0 <= i < len(out.emitted) for i in out.lookup_accepted)
+            assert len(out.lookup_accepted) <= out.lookup_nodes
+    assert nodes > accepted > 0
+
+
+def counting_fed(target: TargetRunner) -> list[int]:
+    """The tokens each of the target's forwards feeds from now on, appended as they run."""
+    fed: list[int] = []
+    run = target.engine.run
+
+    def counted(batch):
+        fed.append(sum(len(row.tokens) for row in batch))
+        return run(batch)
+
+    target.engine.run = counted
+    return fed
+
+
+def test_lookups_fill_only_the_forwards_cheap_rows():
+    """Three sessions decoding side by side: with 4 cheap rows a forward carries at most one
+    looked-up token beside the three steps, with 3 (or lookups not asked) none."""
+    for rows, lookup, most_fed in ((4, 3, 4), (3, 3, 3), (8, 0, 3)):
+        target = TargetRunner(tiny_engine(seed=0, slots=3), SessionTable(3), lookup_rows=rows)
+        fed = counting_fed(target)
+        prompts = [[40, 41, 42, 40, 41], [5, 9, 2, 7, 7] * 3, [7, 8, 9, 7, 8, 9]]
+        starts = [
+            VerifyCall(str(i), 0, p, TokenTree.empty(), GREEDY) for i, p in enumerate(prompts)
+        ]
+        target.verify(starts)
+        calls = [
+            VerifyCall(
+                c.session_id,
+                len(c.tokens) + 1,
+                [],
+                TokenTree.empty(),
+                GREEDY,
+                steps=16,
+                lookup=lookup,
+                most=16,
+            )
+            for c in starts
+        ]
+        answers = answered(target, calls)
+        assert max(fed[1:]) == most_fed
+        assert (sum(out.lookup_nodes for _, out in answers) > 0) == (most_fed > 3)
+
+
+def test_sampled_calls_take_no_lookups():
+    tokens, outs = looked_up([5, 9, 2, 7, 7] * 3, 24, lookup=3, rows=8, params=SAMPLED)
+    assert not any(out.lookup_nodes for out in outs)
+    assert tokens == looked_up([5, 9, 2, 7, 7] * 3, 24, lookup=0, rows=8, params=SAMPLED)[0]

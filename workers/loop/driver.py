@@ -127,7 +127,8 @@ class Loop:
     keep: bool = False  # a clean end keeps the worker sessions (a conversation's next turn)
     # tokens the target decodes in a row for a round that drafts nothing (`decode_steps`)
     steps: int = 1
-    # tokens each of those steps may verify from the target worker's own lookup (`lookup`)
+    # tokens each of those steps may verify from the target worker's own lookup (`lookups`;
+    # the gateway's speculating sessions: --decode-lookup)
     lookup: int = 0
     draft: Seat = field(default_factory=Seat)
     target: Seat = field(default_factory=Seat)
@@ -242,11 +243,11 @@ class Loop:
 
     def lookups(self, steps: int) -> int:
         """Tokens each decode step of a round of `steps` may verify from the target's own
-        prompt lookup (VerifyCall.lookup): a greedy exact session that speculates."""
+        prompt lookup (VerifyCall.lookup): `lookup` for a greedy exact session."""
         plan = self.state.plan
-        if steps <= 1 or not self.route.drafts or not plan.acceptance.lossless:
+        if steps <= 1 or not plan.params.greedy or not plan.acceptance.lossless:
             return 0
-        return self.lookup if plan.params.greedy else 0
+        return self.lookup
 
     def plain_steps(self) -> int:
         """The steps a round of this session without a draft takes now (`decode_steps`);
@@ -509,11 +510,12 @@ async def generate(
     session_id: str,
     on_round: Callable[[Round, float], None] | None = None,
     steps: int = 1,
+    lookup: int = 0,
 ) -> Generation:
     """Runs the loop to the end and returns the whole generation; `on_round` is called with
-    each committed round and the seconds since the previous one (or the start); `steps`:
-    `Loop.steps`."""
-    loop = Loop(LoopState(plan), route, session_id, steps=steps)
+    each committed round and the seconds since the previous one (or the start); `steps`
+    and `lookup`: `Loop.steps` and `Loop.lookup`."""
+    loop = Loop(LoopState(plan), route, session_id, steps=steps, lookup=lookup)
     start = last = time.perf_counter()
     async with contextlib.aclosing(loop.rounds()) as rounds:
         async for round_ in rounds:
