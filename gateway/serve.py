@@ -100,6 +100,13 @@ class ServeSettings(GatewayOptions, EngineOptions):
         description="MiB of hidden states each target keeps for feature-draft sessions' cached "
         "prompt blocks (with --worker-prefix-caching); 0 = none",
     )
+    worker_lookup_rows: int = Field(
+        WorkerSettings.model_fields["lookup_rows"].default,
+        ge=-1,
+        description="a target's forward carries decode steps' own prompt-lookup drafts "
+        "(--decode-lookup) while it feeds at most this many tokens; -1 = the engine's (16 on "
+        "the AMX tile unit, 6 on the bfloat16 kernel's vector paths, else 1); 0 = none",
+    )
     state_file: Path | None = Field(
         None, description="write the gateway URL and workers' addresses and pids here (JSON)"
     )
