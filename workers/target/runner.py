@@ -38,12 +38,13 @@ calls once every `steps` forwards, not once a forward.
 
 Lookup during decode steps: a greedy exact call with `lookup` > 0 also has
 each of its decode steps verify up to that many tokens the worker drafts
-itself, by prompt lookup over the session's history (its longest earlier
-3-token match's continuations, workers/speculation/ngram.py), in the same
-forward; the accepted ones and the target's token after them are that step's
-tokens, up to `most` in all. What the batch's sessions gain costs no round
-trip: a draft the gateway sends is a round of its own, answered after one
-forward, and the steps beside it wait for its next call (vLLM's n-gram
+itself, by prompt lookup over the session's history (the continuations of
+its latest 3-token matches, workers/speculation/ngram.py), in the same
+forward, where the forward's rows cost next to nothing (`fill_rows`, after
+`fit_blocks`); the accepted ones and the target's token after them are that
+step's tokens, up to `most` in all. What the batch's sessions gain costs no
+round trip: a draft the gateway sends is a round of its own, answered after
+one forward, and the steps beside it wait for its next call (vLLM's n-gram
 speculation runs inside its engine for the same reason). The output is the
 target's greedy tokens whatever the lookup finds (the same `verify`).
 """
@@ -376,7 +377,7 @@ class TargetRunner:
         total = sum(len(p.row.tokens) for _, p in prepared)
         spill = total - (total - 1) // block * block  # tokens in the last block, 1 .. block
         sizes = {
-            j: len(p.tree)
+            j: len(p.call.tree)
             for j, (_, p) in enumerate(prepared)
             if not p.chunk and p.call.params.greedy and p.call.acceptance.lossless
         }
@@ -394,11 +395,10 @@ class TargetRunner:
     @staticmethod
     def cut(p: Prepared, dropped: int) -> Prepared:
         """The prepared call without the last `dropped` nodes of its tree."""
-        tree = p.tree.head(len(p.tree) - dropped)
-        row = tree_row(p.session, tree)
-        if p.looked_up is not None:  # the call stays the one its next step continues
-            return replace(p, looked_up=tree if len(tree) else None, row=row)
-        return replace(p, call=replace(p.call, tree=tree), row=row, dropped=dropped)
+        tree = p.call.tree.head(len(p.call.tree) - dropped)
+        return replace(
+            p, call=replace(p.call, tree=tree), row=tree_row(p.session, tree), dropped=dropped
+        )
 
     def finish(self, p: Prepared, logits: torch.Tensor, hidden: torch.Tensor) -> VerifyOutcome:
         # logits: (N + 1, V): row 0 after the last pending token, row i + 1 after node i
