@@ -337,6 +337,12 @@ class Speculation(Loop):
             return 1 if paying else stepping
         return stepping
 
+    def lookups(self, steps: int) -> int:
+        """`Loop.lookups` in its target's drafting epochs only: a plain epoch does
+        speculation off's work, so that the epochs weigh drafting, the target's own lookups
+        included, against none (gateway.epochs)."""
+        return super().lookups(steps) if self.drafting_epoch() else 0
+
     def drafts_may_pay(self) -> bool:
         """Whether a draft of any kind (an n-gram draft's: any match length) would beat
         decoding without one now (`gateway.adaptive.best_shape`); True with fixed trees. A
