@@ -71,26 +71,24 @@ class Provenance:
         self.count += 1
         target = "correction" if round_.corrected else "bonus"
         looked_up = set(round_.looked_up)
-        from_tree = round_.accepted - len(round_.looked_up)
         for k in range(len(round_.tokens)):
             if k in looked_up:
                 self.origins.append(Origin(self.count, "draft", "accepted", "ngram"))
-            elif k < from_tree:
+            elif k < round_.tree_accepted:
                 self.origins.append(Origin(self.count, "draft", "accepted", drafter))
             else:
                 self.origins.append(Origin(self.count, "target", target))
         draft_s, verify_s = round_.seconds
-        lookup_accepted = len(round_.looked_up)
         self.pending.append(
             {
                 "round": self.count,
-                "tree_nodes": round_.drafted - round_.lookup_nodes,
-                "accepted": round_.accepted - lookup_accepted,
+                "tree_nodes": round_.tree_nodes,
+                "accepted": round_.tree_accepted,
                 "lookup_nodes": round_.lookup_nodes,
-                "lookup_accepted": lookup_accepted,
+                "lookup_accepted": len(round_.looked_up),
                 "tokens": len(round_.tokens),
                 "forwards": round_.steps,
-                "drafter": drafter if round_.drafted > round_.lookup_nodes else None,
+                "drafter": drafter if round_.tree_nodes else None,
                 "degraded": round_.degraded,
                 "draft_ms": round(draft_s * 1000, 2),
                 "verify_ms": round(verify_s * 1000, 2),

@@ -453,8 +453,7 @@ class Speculation(Loop):
         draft_s, verify_s = round_.seconds
         self.quiet = max(0, self.quiet - 1)
         # a draft of the gateway's accepted (the target's own lookups do not count: steps)
-        drafted = round_.accepted > len(round_.looked_up)
-        self.unaccepted = 0 if drafted else self.unaccepted + len(round_.tokens)
+        self.unaccepted = 0 if round_.tree_accepted else self.unaccepted + len(round_.tokens)
         if self.route.drafts:
             self.metrics.round_phase.labels("draft").observe(draft_s)
         self.metrics.round_phase.labels("verify").observe(verify_s)

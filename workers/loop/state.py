@@ -92,6 +92,16 @@ class Round:
     lookup_nodes: int = 0
     looked_up: tuple[int, ...] = ()
 
+    @property
+    def tree_nodes(self) -> int:
+        """Of `drafted`, the nodes of the tree the round sent."""
+        return self.drafted - self.lookup_nodes
+
+    @property
+    def tree_accepted(self) -> int:
+        """Of `accepted`, those of the tree the round sent."""
+        return self.accepted - len(self.looked_up)
+
 
 @dataclass
 class LoopState:

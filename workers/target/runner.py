@@ -128,6 +128,12 @@ def region(pending: list[int], tree: TokenTree) -> tuple[list[int], list[int]]:
     return pending + tree.tokens.tolist(), parents
 
 
+def takes_steps(call: VerifyCall) -> bool:
+    """Whether the call is decoded on for several tokens (module docstring, "Decode
+    steps"): steps asked, no tree of its own, no hidden states wanted."""
+    return call.steps > 1 and not len(call.tree) and not call.return_hidden
+
+
 def tree_row(session: Session, tree: TokenTree) -> SlotInput:
     """The session's row of a forward: its pending tokens and the tree, logits for the last
     pending token and every node."""
@@ -230,7 +236,7 @@ class TargetRunner:
         history's latest 3-token matches, no more than the call still emits less the
         step's own token; None where there is none."""
         call, session = p.call, p.session
-        if p.chunk or not call.lookup or call.steps <= 1 or len(call.tree) or call.return_hidden:
+        if p.chunk or not call.lookup or not takes_steps(call):
             return None
         if not (call.params.greedy and call.acceptance.lossless):
             return None
@@ -325,7 +331,7 @@ class TargetRunner:
         """A call decoding several tokens: its answer once done, else `UNFINISHED` with its
         step's token kept for the next (module docstring, "Decode steps")."""
         call = p.call
-        if call.steps <= 1 or len(call.tree) or call.return_hidden:
+        if not takes_steps(call):
             return outcome
         done = p.decoding or Decoding(call, p.prefix_hit)
         if p.looked_up is not None:
