@@ -209,7 +209,7 @@ class Speculation(Loop):
         sessions' acceptance or the target's load would make the same seed give different
         text (greedy output never changes)."""
         params = self.state.plan.params
-        return self.options.adaptive is not None and (params.seed is None or params.greedy)
+        return self.options.adaptive is not None and not params.seeded
 
     def shape(self, spec: TreeSpec) -> TreeSpec | None:
         if not self.adapts:

@@ -1,6 +1,7 @@
 """Sampling through the whole pipeline (engines, sampled draft tree, verification, and the
 one loop the gateway runs, in-process and over real gRPC workers) gives exactly the
-target's distribution: a chi-square test on a tiny vocabulary. In bfloat16 the target is
+target's distribution: a chi-square test on a tiny vocabulary. So do decode steps that
+verify the target worker's own lookups (VerifyCall.lookup), over gRPC. In bfloat16 the target is
 the same engine in bfloat16 (its linear layers on SpecSplit's kernel on a CPU), so the
 expected distribution is that engine's own, target only."""
 
@@ -107,7 +108,52 @@ async def test_bfloat16_sampled_pairs_follow_the_bfloat16_target_distribution():
     assert_follows(counts, expected)
 
 
-def assert_follows(counts: torch.Tensor, expected: torch.Tensor) -> None:
+# each token after the prompt's last two (1, 4) followed them once before, with a token
+# after it: whatever the first token sampled, the next decode step's lookup drafts
+LOOKUP_PROMPT = [t for x in range(VOCAB) for t in (1, 4, x, (x + 2) % VOCAB)] + [1, 4]
+LOOKED_UP = 4  # tokens a generation: the first, then one call of 3 steps drafting 2 ahead
+
+
+def exact_distribution(hf, prompt: list[int], n: int, params: SamplingParams) -> torch.Tensor:
+    """P(t1, ..., tn | prompt) under the target, (V,) * n: every path fed whole."""
+    probs = torch.zeros((VOCAB,) * n)
+    with torch.no_grad():
+        for path in itertools.product(range(VOCAB), repeat=n - 1):
+            logits = hf(torch.tensor([prompt + list(path)])).logits[0]  # (len, V)
+            p = torch.ones(())
+            for i, t in enumerate(path):
+                p = p * target_probs(logits[len(prompt) - 1 + i], params)[t]
+            probs[path] = p * target_probs(logits[-1], params)
+    return probs
+
+
+async def test_sampled_decode_steps_with_the_workers_lookups_follow_the_target_distribution():
+    """Unseeded sampled generations over a real gRPC target whose decode steps verify its own
+    lookups (a seeded request takes none): every pair of neighbouring tokens follows the
+    target's distribution. The runs draw from unseeded generators, so each test's p-value
+    bound is 1e-5 (the three of them fail together by chance about once in 30,000 runs)."""
+    hf = tiny_hf_model(vocab=VOCAB, seed=4)
+    expected = exact_distribution(hf, LOOKUP_PROMPT, LOOKED_UP, SAMPLED)
+    config = EngineConfig(max_sessions=CONCURRENT, max_seq_len=64)
+    target = Engine.from_hf(hf, None, config, "target")
+    counts = torch.zeros((VOCAB,) * LOOKED_UP)
+    drafted = 0
+    async with pair("grpc", target, None, lookup_rows=64) as route:
+        for first in range(0, RUNS, CONCURRENT):
+            runs = (
+                run(route, LOOKUP_PROMPT, LOOKED_UP, params=SAMPLED, steps=4, lookup=3)
+                for _ in range(first, min(first + CONCURRENT, RUNS))
+            )
+            for gen in await asyncio.gather(*runs):
+                counts[tuple(gen.token_ids)] += 1
+                drafted += gen.stats.draft_tokens
+    assert drafted >= 2 * RUNS  # every generation's first step looked 2 tokens up
+    for i in range(LOOKED_UP - 1):
+        others = tuple(d for d in range(LOOKED_UP) if d not in (i, i + 1))
+        assert_follows(counts.sum(others), expected.sum(others), p_min=1e-5)
+
+
+def assert_follows(counts: torch.Tensor, expected: torch.Tensor, p_min: float = 1e-3) -> None:
     """The sampled pairs' counts against the exact distribution: chi-square, full support."""
     cells = [(a, b) for a, b in itertools.product(range(VOCAB), repeat=2) if expected[a, b] > 0]
     assert counts.sum() == RUNS
@@ -116,4 +162,4 @@ def assert_follows(counts: torch.Tensor, expected: torch.Tensor) -> None:
     wanted = [float(expected[a, b]) * RUNS for a, b in cells]
     scale = sum(observed) / sum(wanted)
     result = chisquare(observed, [w * scale for w in wanted])
-    assert result.pvalue > 1e-3, result
+    assert result.pvalue > p_min, result

@@ -182,8 +182,8 @@ def test_decode_steps_own_lookups_give_speculation_offs_text(tiny_dir):
     """On a target where no draft of the gateway's pays (40 ms a token fed) and whose
     forwards have 8 cheap rows, a greedy session's steps verify up to 3 tokens the target
     looks up itself: the text is speculation off's, the provenance names each accepted
-    one, and the stats count them as drafts; a sampled request, and speculation off, take
-    none."""
+    one, and the stats count them as drafts; a seeded sampled request, and speculation
+    off, take none (an unseeded one may: tests/decoding/test_sampling_lossless.py)."""
     copy = "one two three four five six seven eight nine ten " * 3
     messages = [{"role": "user", "content": copy}]
     slow = slow_target(tiny_dir, "t0", 0.0, token_delay=0.040, lookup_rows=8)
@@ -192,7 +192,7 @@ def test_decode_steps_own_lookups_give_speculation_offs_text(tiny_dir):
         chunks = streamed(client, messages, 64, STATS)
         off = streamed(client, messages, 64, {**STATS, "speculation": {"method": "off"}})
         sampled = client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=32, temperature=1.0,
+            model=MODEL, messages=messages, max_tokens=32, temperature=1.0, seed=5,
             stream=True, stream_options=ASK["stream_options"],
         )  # fmt: skip
         sampled_rounds = rounds_of(list(sampled))

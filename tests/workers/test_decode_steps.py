@@ -205,7 +205,17 @@ def test_lookups_fill_only_the_forwards_cheap_rows():
         assert (sum(out.lookup_nodes for _, out in answers) > 0) == (most_fed > 3)
 
 
-def test_sampled_calls_take_no_lookups():
-    tokens, outs = looked_up([5, 9, 2, 7, 7] * 3, 24, lookup=3, rows=8, params=SAMPLED)
+def test_sampled_calls_look_up_only_without_a_seed():
+    """A seeded sampled call looks nothing up (a step's room for lookups depends on the
+    batch beside it, and the seed alone must fix the text) and gives the tokens of single
+    steps; an unseeded one looks up as a greedy one does (its distribution:
+    tests/decoding/test_sampling_lossless.py)."""
+    prompt = [5, 9, 2, 7, 7] * 3  # ends in a 3-token run seen before: the first step drafts
+    tokens, outs = looked_up(prompt, 24, lookup=3, rows=8, params=SAMPLED)
     assert not any(out.lookup_nodes for out in outs)
-    assert tokens == looked_up([5, 9, 2, 7, 7] * 3, 24, lookup=0, rows=8, params=SAMPLED)[0]
+    assert tokens == looked_up(prompt, 24, lookup=0, rows=8, params=SAMPLED)[0]
+    unseeded = SamplingParams(temperature=1.0)
+    target = TargetRunner(tiny_engine(seed=0, slots=2), SessionTable(2), lookup_rows=32)
+    call = VerifyCall("s", 0, prompt, TokenTree.empty(), unseeded, steps=4, lookup=3, most=8)
+    ((_, out),) = answered(target, [call])
+    assert out.lookup_nodes > 0 and len(out.emitted) <= 8

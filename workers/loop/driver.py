@@ -243,9 +243,10 @@ class Loop:
 
     def lookups(self, steps: int) -> int:
         """Tokens each decode step of a round of `steps` may verify from the target's own
-        prompt lookup (VerifyCall.lookup): `lookup` for a greedy exact session."""
+        prompt lookup (VerifyCall.lookup): `lookup` for an exact session, greedy or sampled
+        without a seed (a step's room for them depends on the batch beside it)."""
         plan = self.state.plan
-        if steps <= 1 or not plan.params.greedy or not plan.acceptance.lossless:
+        if steps <= 1 or plan.params.seeded or not plan.acceptance.lossless:
             return 0
         return self.lookup
 
@@ -259,8 +260,7 @@ class Loop:
         """The steps a round of this session without a draft may take (`decode_steps`)."""
         if self.steps <= 1 or (self.draft.worker is not None and self.draft.worker.feature_size):
             return 1
-        params = self.state.plan.params
-        if self.route.drafts and params.seed is not None and not params.greedy:
+        if self.route.drafts and self.state.plan.params.seeded:
             return 1
         return self.steps
 

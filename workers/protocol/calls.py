@@ -111,9 +111,10 @@ class VerifyCall:
     # token. A tree, or return_hidden, answers after one forward whatever this says
     steps: int = 1
     stop_ids: tuple[int, ...] = ()  # tokens that end a generation: no step follows them
-    # with steps > 1, a greedy exact call: each step also verifies up to this many tokens
-    # the worker drafts by prompt lookup over the session's history (runner.py, "Lookup
-    # during decode steps"), and the call emits up to `most` tokens (0: steps)
+    # with steps > 1, an exact call, greedy or sampled without a seed: each step also
+    # verifies up to this many tokens the worker drafts by prompt lookup over the session's
+    # history (runner.py, "Lookup during decode steps"), and the call emits up to `most`
+    # tokens (0: steps)
     lookup: int = 0
     most: int = 0
 

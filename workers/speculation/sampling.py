@@ -37,6 +37,13 @@ class SamplingParams:
         """True when decoding takes the argmax (temperature 0)."""
         return self.temperature == 0
 
+    @property
+    def seeded(self) -> bool:
+        """True for a sampled request with a seed: its text may depend on nothing but the
+        request, and which tokens a round drafts decides how its random stream is used, so
+        its drafts must not depend on other sessions, the target's load or timing."""
+        return not self.greedy and self.seed is not None
+
 
 def cpu_array(x: torch.Tensor) -> np.ndarray | None:
     """A float32 CPU tensor's numpy view (no copy), None for any other: numpy's reductions

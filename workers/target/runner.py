@@ -36,17 +36,20 @@ whose count is a multiple of its `steps`, so that sessions decoding side by
 side go back to the gateway together and the target waits for their next
 calls once every `steps` forwards, not once a forward.
 
-Lookup during decode steps: a greedy exact call with `lookup` > 0 also has
-each of its decode steps verify up to that many tokens the worker drafts
-itself, by prompt lookup over the session's history (the continuations of
-its latest 3-token matches, workers/speculation/ngram.py), in the same
-forward, where the forward's rows cost next to nothing (`fill_rows`, after
-`fit_blocks`); the accepted ones and the target's token after them are that
-step's tokens, up to `most` in all. What the batch's sessions gain costs no
-round trip: a draft the gateway sends is a round of its own, answered after
+Lookup during decode steps: an exact call with `lookup` > 0, greedy or sampled
+without a seed, also has each of its decode steps verify up to that many tokens
+the worker drafts itself, by prompt lookup over the session's history (the
+continuations of its latest 3-token matches, workers/speculation/ngram.py), in
+the same forward, where the forward's rows cost next to nothing (`fill_rows`,
+after `fit_blocks`); the accepted ones and the target's token after them are
+that step's tokens, up to `most` in all. What the batch's sessions gain costs
+no round trip: a draft the gateway sends is a round of its own, answered after
 one forward, and the steps beside it wait for its next call (vLLM's n-gram
 speculation runs inside its engine for the same reason). The output is the
-target's greedy tokens whatever the lookup finds (the same `verify`).
+target's whatever the lookup finds (the same `verify`: its greedy tokens, or
+for a sampled call its distribution, a looked-up token being a deterministic
+draft). A seeded sampled call looks nothing up: how many tokens a step drafts
+depends on the batch beside it, and the seed alone must fix the text.
 """
 
 from __future__ import annotations
@@ -238,7 +241,7 @@ class TargetRunner:
         call, session = p.call, p.session
         if p.chunk or not call.lookup or not takes_steps(call):
             return None
-        if not (call.params.greedy and call.acceptance.lossless):
+        if call.params.seeded or not call.acceptance.lossless:
             return None
         emitted = len(p.decoding.emitted) if p.decoding is not None else 0
         room = min(
