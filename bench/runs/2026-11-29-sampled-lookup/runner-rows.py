@@ -1,53 +1,83 @@
-"""S sessions decode-stepping through a TargetRunner (bf16, embedded model): tokens/s with
-lookups in every row (lookup_rows 4096; "all": up to 3 a step, "all1": 1) against none
-("off"), 48 forwards from the prefill, and where the time goes:
+"""S sessions decode-stepping through a TargetRunner (bfloat16, the embedded model): tokens a
+second with lookups in every row (lookup_rows 4096; "all": up to 3 a step, "all1": 1)
+against none ("off"), 48 forwards from the prefill, and where the time goes:
 `python runner-rows.py 16 grounded off,all,all1` from the repository root."""
-import sys, time, statistics
+
+import sys
+import time
+
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
 from workers.engine.text import encode_chat
 from workers.protocol import UNFINISHED, VerifyCall
+from workers.settings import EMBEDDED_MODEL
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree
 from workers.target.runner import TargetRunner
 from workers.tools.bench.workloads import messages
-from workers.settings import EMBEDDED_MODEL
 
-S = int(sys.argv[1]); workload = sys.argv[2]; modes = sys.argv[3].split(",")
-engine = Engine.load(EngineConfig(EMBEDDED_MODEL, dtype="bfloat16", max_sessions=S))
+SESSIONS, WORKLOAD, MODES = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
+FORWARDS = 48
+# mode -> (the runner's lookup_rows, each call's lookup)
+SETTINGS = {"off": (0, 0), "all": (4096, 3), "all1": (4096, 1)}
+
+engine = Engine.load(EngineConfig(EMBEDDED_MODEL, dtype="bfloat16", max_sessions=SESSIONS))
 engine.torch_beside_kernel()
-prompts = [encode_chat(engine.tokenizer, m) for m in messages(workload, S)]
-fwd = [0.0]
-orig = engine.run
+prompts = [encode_chat(engine.tokenizer, m) for m in messages(WORKLOAD, SESSIONS)]
+forward_s = [0.0]
+untimed = engine.run
+
+
 def timed(rows):
-    t = time.perf_counter(); out = orig(rows); fwd[0] += time.perf_counter() - t; return out
+    start = time.perf_counter()
+    out = untimed(rows)
+    forward_s[0] += time.perf_counter() - start
+    return out
+
+
 engine.run = timed
 
-def run(lookup_rows, lookup):
-    runner = TargetRunner(engine, SessionTable(S), lookup_rows=lookup_rows)
-    calls = [VerifyCall(f"s{i}", 0, p, TokenTree.empty(), SamplingParams()) for i, p in enumerate(prompts)]
-    outs = runner.verify(calls)  # prefill
-    held = [len(p) + len(o.emitted) for p, o in zip(prompts, outs)]
-    total = [len(o.emitted) for o in outs]
-    fwd[0] = 0.0; forwards0 = runner.forwards
-    calls = {i: VerifyCall(f"s{i}", held[i], [], TokenTree.empty(), SamplingParams(), steps=8, lookup=lookup, most=16 if lookup else 0) for i in range(S)}
-    t0 = time.perf_counter(); made = 0; nodes = acc = 0
-    while runner.forwards - forwards0 < 48:
-        live = list(range(S))
-        outs = runner.verify([calls[i] for i in live])
-        for i, o in zip(live, outs):
-            if o is UNFINISHED: continue
-            total[i] += len(o.emitted); made += len(o.emitted); held[i] += len(o.emitted)
-            nodes += o.lookup_nodes; acc += len(o.lookup_accepted)
-            calls[i] = VerifyCall(f"s{i}", held[i], [], TokenTree.empty(), SamplingParams(), steps=8, lookup=lookup, most=16 if lookup else 0)
-    wall = time.perf_counter() - t0
-    for i in range(S): runner.end(f"s{i}")
-    f = runner.forwards - forwards0
-    return made / wall, wall, fwd[0], f, nodes, acc
 
-for rep in range(2):
-    for mode in modes:
-        name, lr, lk = {"off": ("off", 0, 0), "cheap": ("cheap", None, 3),
-                        "all": ("all", 4096, 3), "all1": ("all1", 4096, 1)}[mode]
-        tps, wall, fw, f, nodes, acc = run(lr, lk)
-        print(f"{name:6s} tok/s={tps:6.1f} wall={wall:5.2f}s forward={fw:5.2f}s other={wall-fw:5.2f}s forwards={f} ms/fwd={1000*fw/f:5.1f} other/fwd={1000*(wall-fw)/f:4.1f} nodes={nodes} acc={acc}", flush=True)
+def stepped(session: int, held: int, lookup: int) -> VerifyCall:
+    most = 16 if lookup else 0
+    return VerifyCall(
+        f"s{session}", held, [], TokenTree.empty(), SamplingParams(), steps=8, lookup=lookup,
+        most=most,
+    )  # fmt: skip
+
+
+def run(lookup_rows: int, lookup: int) -> tuple[float, float, float, int, int]:
+    runner = TargetRunner(engine, SessionTable(SESSIONS), lookup_rows=lookup_rows)
+    starts = [
+        VerifyCall(f"s{i}", 0, p, TokenTree.empty(), SamplingParams())
+        for i, p in enumerate(prompts)
+    ]
+    outs = runner.verify(starts)  # the prefill
+    held = [len(p) + len(o.emitted) for p, o in zip(prompts, outs, strict=True)]
+    calls = [stepped(i, held[i], lookup) for i in range(SESSIONS)]
+    forward_s[0], first, made, nodes, accepted = 0.0, runner.forwards, 0, 0, 0
+    start = time.perf_counter()
+    while runner.forwards - first < FORWARDS:
+        for i, out in enumerate(runner.verify(calls)):
+            if out is UNFINISHED:
+                continue
+            made += len(out.emitted)
+            held[i] += len(out.emitted)
+            nodes += out.lookup_nodes
+            accepted += len(out.lookup_accepted)
+            calls[i] = stepped(i, held[i], lookup)
+    wall = time.perf_counter() - start
+    for i in range(SESSIONS):
+        runner.end(f"s{i}")
+    return made / wall, wall, forward_s[0], nodes, accepted
+
+
+for _ in range(2):
+    for mode in MODES:
+        tps, wall, fw, nodes, accepted = run(*SETTINGS[mode])
+        print(
+            f"{mode:6s} tok/s={tps:6.1f} wall={wall:5.2f}s forward={fw:5.2f}s "
+            f"other={wall - fw:5.2f}s forwards={FORWARDS} ms/fwd={1000 * fw / FORWARDS:5.1f} "
+            f"other/fwd={1000 * (wall - fw) / FORWARDS:4.1f} nodes={nodes} acc={accepted}",
+            flush=True,
+        )
