@@ -20,7 +20,7 @@ from tests.decoding.test_sampling_lossless import (
     RUNS,
     SAMPLED,
     VOCAB,
-    exact_two_token_distribution,
+    exact_distribution,
 )
 from tests.engine.tiny import tiny_engine, tiny_hf_model
 from tests.workers.helpers import draft_worker, target_worker
@@ -382,7 +382,7 @@ async def sampled_counts(transport: str, acceptance: AcceptanceRule) -> torch.Te
 
 
 def chi_square_p(counts: torch.Tensor) -> float:
-    expected = exact_two_token_distribution(tiny_hf_model(vocab=VOCAB, seed=4), SAMPLED)
+    expected = exact_distribution(tiny_hf_model(vocab=VOCAB, seed=4), SAMPLED)
     cells = [(a, b) for a, b in itertools.product(range(VOCAB), repeat=2) if expected[a, b] > 0]
     observed = [float(counts[a, b]) for a, b in cells]
     wanted = [float(expected[a, b]) * RUNS for a, b in cells]

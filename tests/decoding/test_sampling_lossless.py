@@ -1,9 +1,9 @@
 """Sampling through the whole pipeline (engines, sampled draft tree, verification, and the
 one loop the gateway runs, in-process and over real gRPC workers) gives exactly the
-target's distribution: a chi-square test on a tiny vocabulary. So do decode steps that
-verify the target worker's own lookups (VerifyCall.lookup), over gRPC. In bfloat16 the target is
-the same engine in bfloat16 (its linear layers on SpecSplit's kernel on a CPU), so the
-expected distribution is that engine's own, target only."""
+target's distribution: a chi-square test on a tiny vocabulary; so do decode steps that
+verify the target worker's own lookups (VerifyCall.lookup), over gRPC. In bfloat16 the
+target is the same engine in bfloat16 (its linear layers on SpecSplit's kernel on a CPU),
+so the expected distribution is that engine's own, target only."""
 
 import asyncio
 import itertools
@@ -25,14 +25,19 @@ RUNS = 2000
 CONCURRENT = 16  # generations in flight at once: the workers batch them, as under load
 
 
-def exact_two_token_distribution(hf, params: SamplingParams) -> torch.Tensor:
-    """P(t1, t2 | prompt) under the target, with the request's sampling transforms."""
-    probs = torch.zeros(VOCAB, VOCAB)
+def exact_distribution(
+    hf, params: SamplingParams, prompt: list[int] = PROMPT, n: int = 2
+) -> torch.Tensor:
+    """P(t1, ..., tn | prompt) under the target, with the request's sampling transforms,
+    (V,) * n: every path fed whole."""
+    probs = torch.zeros((VOCAB,) * n)
     with torch.no_grad():
-        first = target_probs(hf(torch.tensor([PROMPT])).logits[0, -1], params)  # (V,)
-        for t1 in range(VOCAB):
-            logits = hf(torch.tensor([PROMPT + [t1]])).logits[0, -1]
-            probs[t1] = first[t1] * target_probs(logits, params)  # (V,)
+        for path in itertools.product(range(VOCAB), repeat=n - 1):
+            logits = hf(torch.tensor([prompt + list(path)])).logits[0]  # (len, V)
+            p = torch.ones(())
+            for i, t in enumerate(path):
+                p = p * target_probs(logits[len(prompt) - 1 + i], params)[t]
+            probs[path] = p * target_probs(logits[-1], params)  # (V,)
     return probs
 
 
@@ -96,7 +101,7 @@ TRUNCATED = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
     ],
 )
 async def test_sampled_pairs_follow_the_target_distribution(transport, params, tree):
-    expected = exact_two_token_distribution(tiny_hf_model(vocab=VOCAB, seed=4), params)
+    expected = exact_distribution(tiny_hf_model(vocab=VOCAB, seed=4), params)
     counts = await sampled_counts(transport, params, tree)
     assert_follows(counts, expected)
 
@@ -114,26 +119,13 @@ LOOKUP_PROMPT = [t for x in range(VOCAB) for t in (1, 4, x, (x + 2) % VOCAB)] + 
 LOOKED_UP = 4  # tokens a generation: the first, then one call of 3 steps drafting 2 ahead
 
 
-def exact_distribution(hf, prompt: list[int], n: int, params: SamplingParams) -> torch.Tensor:
-    """P(t1, ..., tn | prompt) under the target, (V,) * n: every path fed whole."""
-    probs = torch.zeros((VOCAB,) * n)
-    with torch.no_grad():
-        for path in itertools.product(range(VOCAB), repeat=n - 1):
-            logits = hf(torch.tensor([prompt + list(path)])).logits[0]  # (len, V)
-            p = torch.ones(())
-            for i, t in enumerate(path):
-                p = p * target_probs(logits[len(prompt) - 1 + i], params)[t]
-            probs[path] = p * target_probs(logits[-1], params)
-    return probs
-
-
 async def test_sampled_decode_steps_with_the_workers_lookups_follow_the_target_distribution():
     """Unseeded sampled generations over a real gRPC target whose decode steps verify its own
     lookups (a seeded request takes none): every pair of neighbouring tokens follows the
     target's distribution. The runs draw from unseeded generators, so each test's p-value
     bound is 1e-5 (the three of them fail together by chance about once in 30,000 runs)."""
     hf = tiny_hf_model(vocab=VOCAB, seed=4)
-    expected = exact_distribution(hf, LOOKUP_PROMPT, LOOKED_UP, SAMPLED)
+    expected = exact_distribution(hf, SAMPLED, LOOKUP_PROMPT, LOOKED_UP)
     config = EngineConfig(max_sessions=CONCURRENT, max_seq_len=64)
     target = Engine.from_hf(hf, None, config, "target")
     counts = torch.zeros((VOCAB,) * LOOKED_UP)
