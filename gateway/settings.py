@@ -90,9 +90,9 @@ class GatewayOptions(BaseSettings):
         le=16,
         description="each of a speculating round's decode steps (greedy, or sampled without a "
         "seed) also verifies up to this many tokens the target worker drafts itself by "
-        "prompt lookup over the session's "
-        "history (its latest 3-token matches), in the same forward, in the target's drafting "
-        "epochs: what the gateway's own drafts would cost a round trip; 0 = none",
+        "prompt lookup over the session's history (its latest 3-token matches), in the same "
+        "forward, in the target's drafting epochs: what the gateway's own drafts would cost "
+        "a round trip; 0 = none",
     )
     allow_lossy: bool = Field(
         False,
