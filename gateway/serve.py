@@ -107,6 +107,12 @@ class ServeSettings(GatewayOptions, EngineOptions):
         "(--decode-lookup) while it feeds at most this many tokens; -1 = the engine's (16 on "
         "the AMX tile unit, 6 on the bfloat16 kernel's vector paths, else 1); 0 = none",
     )
+    worker_lookup_long_match: int = Field(
+        WorkerSettings.model_fields["lookup_long_match"].default,
+        ge=0,
+        description="past those rows, a decode step still looks up where the session's history "
+        "agrees with its latest match over this many tokens; 0 = never",
+    )
     state_file: Path | None = Field(
         None, description="write the gateway URL and workers' addresses and pids here (JSON)"
     )

@@ -35,6 +35,7 @@ from workers.rpc.security import ServerSecurity, read, read_token
 from workers.rpc.server import ServerOptions, WorkerServer
 from workers.settings import EMBEDDED_MODEL, EngineOptions, parse, settings_config
 from workers.speculation.ngram import MAX_NGRAM
+from workers.target.runner import LONG_MATCH
 from workers.target.states import STATE_BYTES
 
 if TYPE_CHECKING:
@@ -130,6 +131,13 @@ class WorkerSettings(EngineOptions):
         "(the gateway's --decode-lookup) while it feeds at most this many tokens: the rows it "
         "computes about as cheaply as one; -1 = the engine's (16 on the AMX tile unit, 6 on "
         "the bfloat16 kernel's vector paths, else 1); 0 = none",
+    )
+    lookup_long_match: int = Field(
+        LONG_MATCH,
+        ge=0,
+        description="past those rows, a decode step still looks up where the session's history "
+        "agrees with its latest match over this many tokens (its tokens are then accepted "
+        "almost always); 0 = never; none where rows come in blocks (the AMX tile unit)",
     )
     drain_s: float = Field(
         1.0,

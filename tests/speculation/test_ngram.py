@@ -56,6 +56,22 @@ def test_the_match_length_is_the_suffix_the_tree_copies_after():
     assert match_length([1, 2, 3, 4]) == match_length([7]) == match_length([]) == 0
 
 
+def test_the_agreement_counts_back_from_the_latest_match_up_to_its_limit():
+    # (1, 2, 3) ended at 4 and at 10; the latest (10) agrees 5 tokens back: 8 9 1 2 3
+    history = [7, 8, 1, 2, 3, 0, 8, 9, 1, 2, 3, 4, 8, 9, 1, 2, 3]
+    index = SuffixIndex()
+    index.extend(history)
+    assert index.agreement(16) == 5
+    assert index.agreement(4) == 4
+    assert index.agreement(1) == 3  # the match itself is never cut
+    whole = SuffixIndex()
+    whole.extend([4, 5, 6, 4, 5, 6, 4, 5, 6])  # the latest match starts the history: 6 agree
+    assert whole.agreement(16) == 6
+    nothing = SuffixIndex()
+    nothing.extend([1, 2, 3, 4])
+    assert nothing.agreement(16) == 0
+
+
 def reference_matches(
     history: list[int], most: int, least: int, window: int, limit: int
 ) -> tuple[int, list[int]]:

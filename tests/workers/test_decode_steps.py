@@ -5,6 +5,7 @@ stop token ends the steps; and through the loop, over real gRPC workers, the tex
 target's own."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import torch
@@ -176,33 +177,79 @@ def counting_fed(target: TargetRunner) -> list[int]:
     return fed
 
 
+SIDE_BY_SIDE = [[40, 41, 42, 40, 41], [5, 9, 2, 7, 7] * 3, [7, 8, 9, 7, 8, 9]]
+RUN = [5, 9, 2, 7, 7]  # the second prompt's run
+
+
+def side_by_side(
+    target: TargetRunner, lookup: int, copying: bool = False
+) -> list[tuple[int, VerifyOutcome]]:
+    """The prompts' sessions started, then one call each of 16 steps with `lookup`;
+    `copying`: the second session's call first brings the run, its first token x and the
+    run again, so that its history (the run three times, x, the run, x, the run) agrees with
+    its latest match over 11 tokens."""
+    starts = [
+        VerifyCall(str(i), 0, p, TokenTree.empty(), GREEDY) for i, p in enumerate(SIDE_BY_SIDE)
+    ]
+    firsts = target.verify(starts)
+    calls = [
+        VerifyCall(
+            c.session_id, len(c.tokens) + 1, [], TokenTree.empty(), GREEDY, steps=16,
+            lookup=lookup, most=16,
+        )
+        for c in starts
+    ]  # fmt: skip
+    if copying:
+        calls[1] = replace(calls[1], tokens=RUN + firsts[1].emitted + RUN)
+    return answered(target, calls)
+
+
 def test_lookups_fill_only_the_forwards_cheap_rows():
-    """Three sessions decoding side by side: with 4 cheap rows a forward carries at most one
-    looked-up token beside the three steps, with 3 (or lookups not asked) none."""
+    """Three sessions decoding side by side, long matches aside: with 4 cheap rows a forward
+    carries at most one looked-up token beside the three steps, with 3 (or lookups not
+    asked) none."""
     for rows, lookup, most_fed in ((4, 3, 4), (3, 3, 3), (8, 0, 3)):
-        target = TargetRunner(tiny_engine(seed=0, slots=3), SessionTable(3), lookup_rows=rows)
+        engine = tiny_engine(seed=0, slots=3)
+        target = TargetRunner(engine, SessionTable(3), lookup_rows=rows, long_match=0)
         fed = counting_fed(target)
-        prompts = [[40, 41, 42, 40, 41], [5, 9, 2, 7, 7] * 3, [7, 8, 9, 7, 8, 9]]
-        starts = [
-            VerifyCall(str(i), 0, p, TokenTree.empty(), GREEDY) for i, p in enumerate(prompts)
-        ]
-        target.verify(starts)
-        calls = [
-            VerifyCall(
-                c.session_id,
-                len(c.tokens) + 1,
-                [],
-                TokenTree.empty(),
-                GREEDY,
-                steps=16,
-                lookup=lookup,
-                most=16,
-            )
-            for c in starts
-        ]
-        answers = answered(target, calls)
+        answers = side_by_side(target, lookup)
         assert max(fed[1:]) == most_fed
         assert (sum(out.lookup_nodes for _, out in answers) > 0) == (most_fed > 3)
+
+
+class Recording(TargetRunner):
+    """A TargetRunner that notes, for each lookup past the cheap rows, how far its
+    session's history agreed with its latest match (up to 64 tokens)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.past: list[int] = []
+
+    def lookup(self, p, free):
+        tree = super().lookup(p, free)
+        if tree is not None and free < len(tree):
+            self.past.append(self.index(p.session).agreement(64))
+        return tree
+
+
+def test_past_the_cheap_rows_only_long_matches_look_up():
+    """With the cheap rows full (three sessions, 3 rows), a step looks up only where its
+    history agrees with its latest match over `long_match` tokens: the session whose history
+    repeats a run does at its first step; with a longer `long_match` than any agreement, or
+    0, nothing is looked up; the text is the same either way."""
+    texts = []
+    for long_match in (6, 64, 0):
+        target = Recording(
+            tiny_engine(seed=0, slots=3), SessionTable(3), lookup_rows=3, long_match=long_match
+        )
+        answers = side_by_side(target, lookup=3, copying=True)
+        texts.append([out.emitted for _, out in answers])
+        nodes = [out.lookup_nodes for _, out in answers]
+        if long_match == 6:
+            assert nodes[1] > 0 and target.past and min(target.past) >= 6
+        else:
+            assert not any(nodes) and not target.past
+    assert texts[0] == texts[1] == texts[2]
 
 
 def test_sampled_calls_look_up_only_without_a_seed():

@@ -284,6 +284,7 @@ def runner_for(
                 state_bytes=states,
                 row_block=settings.row_block or None,
                 lookup_rows=None if settings.lookup_rows < 0 else settings.lookup_rows,
+                long_match=settings.lookup_long_match,
             ),
             0,
         )

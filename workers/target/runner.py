@@ -40,8 +40,10 @@ Lookup during decode steps: an exact call with `lookup` > 0, greedy or sampled
 without a seed, also has each of its decode steps verify up to that many tokens
 the worker drafts itself, by prompt lookup over the session's history (the
 continuations of its latest 3-token matches, workers/speculation/ngram.py), in
-the same forward, where the forward's rows cost next to nothing (`fill_rows`,
-after `fit_blocks`); the accepted ones and the target's token after them are
+the same forward, where the forward's rows cost next to nothing, or where the
+history agrees with its latest match over `LONG_MATCH` tokens, a copied run the
+lookup's tokens continue almost always (`fill_rows`, after `fit_blocks`); the
+accepted ones and the target's token after them are
 that step's tokens, up to `most` in all. What the batch's sessions gain costs
 no round trip: a draft the gateway sends is a round of its own, answered after
 one forward, and the steps beside it wait for its next call (vLLM's n-gram
@@ -144,6 +146,12 @@ def tree_row(session: Session, tree: TokenTree) -> SlotInput:
     return SlotInput(session.slot, session.cached, parents, tokens, len(tree) + 1)
 
 
+# Past the forward's cheap rows, a decode step still looks up where its history agrees
+# with its latest match over this many tokens (`TargetRunner.lookup`): there the lookup's
+# tokens were accepted 0.96 of the time, and a row beside 16-32 decode rows pays from about
+# 0.8-0.9 (bench/RESULTS.md, "Long matches past the cheap rows")
+LONG_MATCH = 6
+
 # Most bytes of hidden states one Verify returns: of a longer prompt only its newest
 # positions' states go; a feature draft feeds the older ones zeros. 16 MiB: 14,563
 # positions of a 576-wide model, 2,048 of a 4,096-wide one.
@@ -161,11 +169,16 @@ class TargetRunner:
         state_bytes: int = STATE_BYTES,
         row_block: int | None = None,
         lookup_rows: int | None = None,
+        long_match: int = LONG_MATCH,
     ):
         self.engine = engine
         self.row_block = row_block or engine.row_block  # see `fit_blocks`
         # a forward's tokens that decode steps' own drafts may fill (`fill_rows`)
         self.lookup_rows = engine.cheap_rows if lookup_rows is None else lookup_rows
+        # past them, lookups of matches this long (0: none); none where rows come in blocks
+        # (the tile unit): there a row past the forward's last block costs a pass over the
+        # weights, which was not measured against what a long match brings
+        self.long_match = long_match if self.row_block <= 1 else 0
         self.table = table
         table.attach(engine.cache)
         self.max_tree_nodes = min(max_tree_nodes or engine.max_tree_nodes, engine.max_tree_nodes)
@@ -213,15 +226,16 @@ class TargetRunner:
         return Prepared(call, session, row, hit, chunk, going, known, decoding=decoding)
 
     def fill_rows(self, prepared: list[tuple[int, Prepared]]) -> list[tuple[int, Prepared]]:
-        """Decode steps' own drafts in the rows the forward computes about as cheaply as
-        its first (`lookup_rows`; module docstring, "Lookup during decode steps"): each
+        """Decode steps' own drafts (module docstring, "Lookup during decode steps"): each
         step in turn gets up to its call's `lookup` tokens while the forward's tokens stay
-        within them, and a session only where its KV blocks have room without evicting
-        another."""
+        within the rows it computes about as cheaply as its first (`lookup_rows`), or
+        whatever the forward's size where its history agrees with its latest match over
+        `long_match` tokens; and a session only where its KV blocks have room without
+        evicting another."""
         free = self.lookup_rows - sum(len(p.row.tokens) for _, p in prepared)
         filled = []
         for i, p in prepared:
-            tree = self.lookup(p, free) if free > 0 else None
+            tree = self.lookup(p, free)
             if tree is not None:
                 row = tree_row(p.session, tree)
                 try:
@@ -235,14 +249,18 @@ class TargetRunner:
         return filled
 
     def lookup(self, p: Prepared, free: int) -> TokenTree | None:
-        """A decode step's own draft of at most `free` tokens: the continuations of the
-        history's latest 3-token matches, no more than the call still emits less the
-        step's own token; None where there is none."""
+        """A decode step's own draft: the continuations of the history's latest 3-token
+        matches, at most `free` tokens (the cheap rows left), or the call's `lookup` where
+        the latest match agrees over `long_match` tokens; no more than the call still emits
+        less the step's own token; None where there is none."""
         call, session = p.call, p.session
         if p.chunk or not call.lookup or not takes_steps(call):
             return None
         if call.params.seeded or not call.acceptance.lossless:
             return None
+        if free < call.lookup and self.long_match:  # a long match takes its whole lookup
+            if self.index(session).agreement(self.long_match) >= self.long_match:
+                free = call.lookup
         emitted = len(p.decoding.emitted) if p.decoding is not None else 0
         room = min(
             call.lookup,
