@@ -1,7 +1,10 @@
 """S sessions decode-stepping through a TargetRunner (bfloat16, the embedded model): tokens a
 second with lookups in every row (lookup_rows 4096; "all": up to 3 a step, "all1": 1)
 against none ("off"), 48 forwards from the prefill, and where the time goes:
-`python runner-rows.py 16 grounded off,all,all1` from the repository root."""
+`python runner-rows.py 16 grounded off,all,all1 [alternations, 2]` from the repository root. Since
+2026-11-29 02:45 UTC also "cheap" (the engine's cheap rows only, up to 3 a step) and "long"
+(those, and past them steps whose history agrees with its latest match over 6 tokens:
+the runner's defaults); the first three modes pass long_match 0, as the runner was before."""
 
 import sys
 import time
@@ -13,13 +16,19 @@ from workers.protocol import UNFINISHED, VerifyCall
 from workers.settings import EMBEDDED_MODEL
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree
-from workers.target.runner import TargetRunner
+from workers.target.runner import LONG_MATCH, TargetRunner
 from workers.tools.bench.workloads import messages
 
 SESSIONS, WORKLOAD, MODES = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(",")
 FORWARDS = 48
-# mode -> (the runner's lookup_rows, each call's lookup)
-SETTINGS = {"off": (0, 0), "all": (4096, 3), "all1": (4096, 1)}
+# mode -> (the runner's lookup_rows (None: the engine's), each call's lookup, long_match)
+SETTINGS = {
+    "off": (0, 0, 0),
+    "all": (4096, 3, 0),
+    "all1": (4096, 1, 0),
+    "cheap": (None, 3, 0),
+    "long": (None, 3, LONG_MATCH),
+}
 
 engine = Engine.load(EngineConfig(EMBEDDED_MODEL, dtype="bfloat16", max_sessions=SESSIONS))
 engine.torch_beside_kernel()
@@ -46,8 +55,9 @@ def stepped(session: int, held: int, lookup: int) -> VerifyCall:
     )  # fmt: skip
 
 
-def run(lookup_rows: int, lookup: int) -> tuple[float, float, float, int, int]:
-    runner = TargetRunner(engine, SessionTable(SESSIONS), lookup_rows=lookup_rows)
+def run(lookup_rows: int | None, lookup: int, long: int) -> tuple[float, float, float, int, int]:
+    table = SessionTable(SESSIONS)
+    runner = TargetRunner(engine, table, lookup_rows=lookup_rows, long_match=long)
     starts = [
         VerifyCall(f"s{i}", 0, p, TokenTree.empty(), SamplingParams())
         for i, p in enumerate(prompts)
@@ -72,7 +82,7 @@ def run(lookup_rows: int, lookup: int) -> tuple[float, float, float, int, int]:
     return made / wall, wall, forward_s[0], nodes, accepted
 
 
-for _ in range(2):
+for _ in range(int(sys.argv[4]) if len(sys.argv) > 4 else 2):
     for mode in MODES:
         tps, wall, fw, nodes, accepted = run(*SETTINGS[mode])
         print(
