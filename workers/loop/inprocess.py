@@ -40,6 +40,7 @@ from workers.protocol import (
     ProposeCall,
     Role,
     TreeSpec,
+    Unfinished,
     VerifyCall,
     VerifyOutcome,
     WorkerDown,
@@ -118,7 +119,7 @@ class InProcessTarget(InProcessWorker):
 
     async def verify(self, call: VerifyCall) -> VerifyOutcome:
         result = UNFINISHED
-        while result is UNFINISHED:  # a long prompt, prefilled in chunks
+        while isinstance(result, Unfinished):  # a prompt prefilled in chunks, decode steps
             result = (await self.run(lambda: self.runner.verify([call])))[0]
         return self.unwrap(result)
 
