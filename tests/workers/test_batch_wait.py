@@ -6,7 +6,6 @@ import time
 
 import pytest
 
-from workers.protocol import STEPPING, UNFINISHED, Unfinished
 from workers.rpc.batcher import Batcher, EngineThread
 
 
@@ -61,47 +60,6 @@ async def test_a_session_no_longer_held_is_not_waited_for():
 async def test_a_session_of_the_previous_batch_is_waited_for():
     with pytest.raises(TimeoutError):
         await run(["a", "b"], [["a"]], first=["a", "b"])  # "b" is due back: "a" waits
-
-
-async def answered_beside(again: Unfinished) -> list[list[str]]:
-    """ "a" and "b" in one batch (it fills max_tokens); the step answers "b", which never
-    calls again (its request ended), and "a" `again` twice before its answer. The window is
-    far longer than the test. Returns the batches."""
-    seen: list[list[str]] = []
-    left = [2]
-
-    def step(batch: list[str]) -> list[str | Unfinished]:
-        seen.append(sorted(batch))
-        if "a" not in batch or not left[0]:
-            return batch
-        left[0] -= 1
-        return [again if call == "a" else call for call in batch]
-
-    thread = EngineThread()
-    batcher = Batcher(
-        step,
-        thread,
-        key=lambda c: c,
-        cost=len,
-        wait_s=600,
-        max_tokens=2,
-        held_sessions=lambda: ["a", "b"],
-    )
-    batcher.start()
-    try:
-        await asyncio.wait_for(asyncio.gather(batcher.submit("a"), batcher.submit("b")), 0.5)
-    finally:
-        await batcher.close()
-        thread.close()
-    return seen
-
-
-async def test_a_decode_step_runs_at_once_beside_a_session_answered():
-    """A call's next decode step (`STEPPING`) waits for no session the step answered, which
-    may never call again; a prompt's next chunk (`UNFINISHED`) waits for it."""
-    assert await answered_beside(STEPPING) == [["a", "b"], ["a"], ["a"]]
-    with pytest.raises(TimeoutError):
-        await answered_beside(UNFINISHED)
 
 
 async def paced(

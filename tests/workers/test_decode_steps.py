@@ -14,7 +14,7 @@ from tests.decoding.pairs import NGRAM, pair, run
 from tests.decoding.test_greedy_lossless import GREEDY, target_only
 from tests.engine.tiny import tiny_engine
 from workers.engine.sessions import SessionTable
-from workers.protocol import STEPPING, Unfinished, VerifyCall, VerifyOutcome
+from workers.protocol import UNFINISHED, VerifyCall, VerifyOutcome
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree
 from workers.target.runner import TargetRunner
@@ -47,7 +47,7 @@ def answered(target: TargetRunner, calls: list[VerifyCall]) -> list[tuple[int, V
     while any(r is None for r in results):
         waiting = [i for i, r in enumerate(results) if r is None]
         for i, out in zip(waiting, target.verify([calls[i] for i in waiting]), strict=True):
-            if not isinstance(out, Unfinished):
+            if out is not UNFINISHED:
                 assert isinstance(out, VerifyOutcome)
                 results[i] = (target.forwards, out)
     return results  # type: ignore[return-value]
@@ -85,7 +85,7 @@ def test_sessions_decoding_side_by_side_are_answered_after_the_same_forward():
     ]
     late = calls.pop()  # joins at forward 3
     (early,) = target.verify([calls[0]])  # forward 2: a step of a's alone
-    assert early is STEPPING
+    assert early is UNFINISHED
     answers = answered(target, [calls[0], calls[1], late])
     assert {after for after, _ in answers} == {8}
     assert [len(out.emitted) for _, out in answers] == [7, 6, 6]

@@ -40,7 +40,6 @@ from workers.protocol import (
     ProposeCall,
     Role,
     TreeSpec,
-    Unfinished,
     VerifyCall,
     VerifyOutcome,
     WorkerDown,
@@ -119,7 +118,7 @@ class InProcessTarget(InProcessWorker):
 
     async def verify(self, call: VerifyCall) -> VerifyOutcome:
         result = UNFINISHED
-        while isinstance(result, Unfinished):  # a prompt prefilled in chunks, decode steps
+        while result is UNFINISHED:  # a long prompt, prefilled in chunks
             result = (await self.run(lambda: self.runner.verify([call])))[0]
         return self.unwrap(result)
 

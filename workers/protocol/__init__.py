@@ -11,7 +11,6 @@ Importing it loads no model code (no engine, no transformers).
 from workers.protocol.backend import Backend, BackendFactory, Role
 from workers.protocol.calls import (
     FEATURE_DTYPE,
-    STEPPING,
     UNFINISHED,
     Features,
     ProposeCall,
@@ -37,7 +36,6 @@ from workers.protocol.errors import (
 __all__ = [
     "FEATURE_DTYPE",
     "Features",
-    "STEPPING",
     "UNFINISHED",
     "Unfinished",
     "Backend",

@@ -131,19 +131,13 @@ class VerifyCall:
         return self.most or self.steps
 
 
-@dataclass(frozen=True)
 class Unfinished:
     """A runner's answer to a call that needs another step: a long prompt is prefilled in
-    chunks, one per step, between the other sessions' rounds (`UNFINISHED`), or a call
-    decodes several tokens, one per step (`STEPPING`). The caller runs the same call object
-    again (the batcher re-queues it). `hurried`: its next step runs at once, waiting for no
-    other call (a decode step streams; a chunk is in no hurry)."""
-
-    hurried: bool = False
+    chunks, one per step, between the other sessions' rounds. The caller runs the same
+    call object again (the batcher re-queues it)."""
 
 
 UNFINISHED = Unfinished()
-STEPPING = Unfinished(hurried=True)
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,7 @@ long prompt prefilled in chunks) goes back to the head of the queue and
 joins the next batch with the calls of the other sessions: it waits for the
 previous step's sessions for up to the duration of the step it just had (it
 is in no hurry; without the wait it would run alone while the others' calls
-travel, and they would get every other step only). A call answered
-`STEPPING` (decode steps: its next token) goes back too, and its next step
-runs at once with whatever is queued: the sessions decoding beside it are
-queued already, and one of the step that was answered is either done (its
-request ended, at a stop token or its last token, earlier than theirs) or
-back a round trip later, when it joins the step after; waiting for it idled
-every stepping session for up to a step.
+travel, and they would get every other step only).
 """
 
 from __future__ import annotations
@@ -49,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from workers.protocol import Timings, Unfinished
+from workers.protocol import UNFINISHED, Timings
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +84,6 @@ class _Queued(Generic[C]):
     future: asyncio.Future
     passed_over: bool = False  # left out of a batch (its session was in it, or it was full)
     patient: bool = False  # an unfinished call: waits for the others as long as a step lasts
-    hurried: bool = False  # a call's next decode step: runs at once
 
 
 class Batcher(Generic[C, R]):
@@ -197,9 +190,7 @@ class Batcher(Generic[C, R]):
 
     async def _gather(self) -> None:
         """Waits until the window after the oldest call and the last step has passed, or
-        the queue is full, or everyone is back; not at all while a decode step is queued."""
-        if any(q.hurried for q in self._queue):
-            return
+        the queue is full, or everyone is back."""
         oldest = self._queue[0]
         since = max(oldest.arrived_ns, self._last_end_ns)
         if oldest.patient and self.patience:
@@ -250,13 +241,9 @@ class Batcher(Generic[C, R]):
         self._expected = {q.key for q in batch}
         self.batches += 1
         self.largest = max(self.largest, len(batch))
-        again = [
-            (q, result)
-            for q, result in zip(batch, results, strict=True)
-            if isinstance(result, Unfinished)
-        ]
-        for q, result in reversed(again):
-            q.passed_over, q.patient, q.hurried = False, not result.hurried, result.hurried
+        again = [q for q, result in zip(batch, results, strict=True) if result is UNFINISHED]
+        for q in reversed(again):
+            q.passed_over, q.patient = False, True
             self._queue.appendleft(q)
             self._queued_cost += q.cost
         if again:
@@ -264,7 +251,7 @@ class Batcher(Generic[C, R]):
         cost = sum(q.cost for q in batch)
         tokens = max(1, round(self.fed() - fed_before)) if self.fed is not None else cost
         for q, result in zip(batch, results, strict=True):
-            if q.future.done() or isinstance(result, Unfinished):
+            if q.future.done() or result is UNFINISHED:
                 continue
             if isinstance(result, Exception):
                 q.future.set_exception(result)

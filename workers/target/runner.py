@@ -26,13 +26,12 @@ its answers keep the states of the full blocks they complete for the next.
 Decode steps: a call with an empty tree and `steps` > 1 (a session that drafts
 nothing this round) is decoded on here for up to that many tokens, one forward
 each, before it is answered: after each forward but the last it is answered
-`STEPPING` (the batcher runs its next step at once, waiting for no other call),
-its token committed and fed by the next step, so the target runs its next
-forward at once instead of waiting a round trip for the session's next call
-(vLLM's multi-step scheduling). Each token is the one a call of its own would
-have got: a sampled one is drawn with the generator of its position. A step
-that emits a `stop_ids` token, fills the context or brings the call's `most`
-tokens answers at once, and every such call is answered after the forwards
+`UNFINISHED` like a prefill chunk, its token committed and fed by the next
+step, so the target runs its next forward at once instead of waiting a round
+trip for the session's next call (vLLM's multi-step scheduling). Each token
+is the one a call of its own would have got: a sampled one is drawn with the
+generator of its position. A step that emits a `stop_ids` token or fills the
+context answers at once, and every such call is answered after the forwards
 whose count is a multiple of its `steps`, so that sessions decoding side by
 side go back to the gateway together and the target waits for their next
 calls once every `steps` forwards, not once a forward.
@@ -67,7 +66,6 @@ from workers.engine.kv_cache import OutOfBlocks
 from workers.engine.sessions import Session, SessionTable
 from workers.protocol import (
     FEATURE_DTYPE,
-    STEPPING,
     UNFINISHED,
     Features,
     TokenLogprob,
@@ -351,7 +349,7 @@ class TargetRunner:
         return results  # type: ignore[return-value]
 
     def step_on(self, p: Prepared, outcome: VerifyOutcome) -> VerifyOutcome | Unfinished:
-        """A call decoding several tokens: its answer once done, else `STEPPING` with its
+        """A call decoding several tokens: its answer once done, else `UNFINISHED` with its
         step's token kept for the next (module docstring, "Decode steps")."""
         call = p.call
         if not takes_steps(call):
@@ -372,7 +370,7 @@ class TargetRunner:
         )
         if more:
             self.decoding[call.session_id] = done
-            return STEPPING
+            return UNFINISHED
         logprobs = done.logprobs if call.num_logprobs >= 0 else None
         return VerifyOutcome(
             [],

@@ -12,7 +12,7 @@ import time
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.sessions import SessionTable
 from workers.engine.text import encode_chat
-from workers.protocol import Unfinished, VerifyCall
+from workers.protocol import UNFINISHED, VerifyCall
 from workers.settings import EMBEDDED_MODEL
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree
@@ -69,7 +69,7 @@ def run(lookup_rows: int | None, lookup: int, long: int) -> tuple[float, float, 
     start = time.perf_counter()
     while runner.forwards - first < FORWARDS:
         for i, out in enumerate(runner.verify(calls)):
-            if isinstance(out, Unfinished):
+            if out is UNFINISHED:
                 continue
             made += len(out.emitted)
             held[i] += len(out.emitted)
