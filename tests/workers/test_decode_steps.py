@@ -103,6 +103,24 @@ def test_a_stop_token_ends_the_steps():
     assert first.emitted + out.emitted == expected[: n + 1]
 
 
+def test_a_call_that_ends_its_generation_is_not_due_until_its_session_calls_again():
+    """A call whose steps end its generation (here its `most` tokens: the gateway's is what
+    the request still wants) leaves the sessions the batcher waits for (`due_sessions`)
+    until its session calls again; one answered after its steps stays due."""
+    target = runner()
+    target.verify([VerifyCall(s, 0, PROMPT, TokenTree.empty(), GREEDY) for s in "ab"])
+    held = len(PROMPT) + 1
+    calls = [
+        VerifyCall("a", held, [], TokenTree.empty(), GREEDY, steps=4, most=2),
+        VerifyCall("b", held, [], TokenTree.empty(), GREEDY, steps=4),
+    ]
+    (_, a), (_, b) = answered(target, calls)
+    assert len(a.emitted) == 2 and len(b.emitted) == 3  # b: up to the fourth forward
+    assert target.due_sessions() == ["b"]
+    target.verify([VerifyCall("a", held + 2, [], TokenTree.empty(), GREEDY)])
+    assert sorted(target.due_sessions()) == ["a", "b"]
+
+
 def test_a_tree_or_one_step_answers_after_one_forward():
     target = runner()
     (first,) = target.verify([VerifyCall("s", 0, PROMPT, TokenTree.empty(), GREEDY)])

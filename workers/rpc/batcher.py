@@ -109,8 +109,9 @@ class Batcher(Generic[C, R]):
         self.wait_share = wait_share  # ... or this share of the previous step's duration
         self.max_tokens = max_tokens  # a batch stops growing at this summed cost
         self.on_batch = on_batch
-        # the sessions the worker holds (None: unknown); a session of the previous step that
-        # it no longer holds (ended) is not waited for
+        # the sessions the worker holds that may call again soon (None: unknown); a session
+        # of the previous step not among them (ended, or its generation over:
+        # TargetRunner.due_sessions) is not waited for
         self.held_sessions = held_sessions
         # the work the worker's forwards have done so far, in tokens fed for their logits
         # (a running total; WorkerMetrics.fed_work): a step's Timings report what its

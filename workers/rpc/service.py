@@ -307,7 +307,7 @@ async def serve_role(role: Role, engine: Engine | None, settings: WorkerSettings
         wait_share=settings.batch_wait_share,
         max_tokens=settings.max_batch_tokens,
         on_batch=metrics.observe_batch,
-        held_sessions=lambda: runner.table.sessions.keys(),
+        held_sessions=runner.due_sessions if target else lambda: runner.table.sessions.keys(),
         fed=(lambda: metrics.fed_work) if engine is not None else None,
     )
     gate = CallGate()

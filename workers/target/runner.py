@@ -151,6 +151,10 @@ def tree_row(session: Session, tree: TokenTree) -> SlotInput:
 # tokens were accepted 0.96 of the time, and a row beside 16-32 decode rows pays from about
 # 0.8-0.9 (bench/RESULTS.md, "Long matches past the cheap rows")
 LONG_MATCH = 6
+# ... while the forward feeds at most this many tokens with them: beside 32 decode rows a
+# row costs what an average one does, and such lookups measured break-even (grounded) and
+# 0.96 of none (chat) there, +3-5% beside 16, +20-28% beside 8 (the same section)
+LONG_ROWS = 32
 
 # Most bytes of hidden states one Verify returns: of a longer prompt only its newest
 # positions' states go; a feature draft feeds the older ones zeros. 16 MiB: 14,563
@@ -186,6 +190,8 @@ class TargetRunner:
         self.hidden_bytes = hidden_bytes  # most bytes of hidden states one call returns
         self.chunking: dict[str, Prefill] = {}  # session -> its call being fed in chunks
         self.decoding: dict[str, Decoding] = {}  # session -> its call between decode steps
+        # sessions whose last call ended their generation (`due_sessions`)
+        self.finished: set[str] = set()
         self.forwards = 0  # forwards run; decode steps end on a multiple of a call's steps
         # session -> (that session, the index of its history) for decode steps' lookups
         self.indexes: dict[str, tuple[Session, SuffixIndex]] = {}
@@ -196,6 +202,7 @@ class TargetRunner:
         )
 
     def prepare(self, call: VerifyCall, busy: set[str]) -> Prepared:
+        self.finished.discard(call.session_id)
         going = self.chunking.pop(call.session_id, None)
         decoding = self.decoding.pop(call.session_id, None)
         if going is not None and going.call is call:  # its next chunk: already synced
@@ -229,9 +236,9 @@ class TargetRunner:
         """Decode steps' own drafts (module docstring, "Lookup during decode steps"): each
         step in turn gets up to its call's `lookup` tokens while the forward's tokens stay
         within the rows it computes about as cheaply as its first (`lookup_rows`), or
-        whatever the forward's size where its history agrees with its latest match over
-        `long_match` tokens; and a session only where its KV blocks have room without
-        evicting another."""
+        within LONG_ROWS where its history agrees with its latest match over `long_match`
+        tokens; and a session only where its KV blocks have room without evicting
+        another."""
         free = self.lookup_rows - sum(len(p.row.tokens) for _, p in prepared)
         filled = []
         for i, p in prepared:
@@ -251,16 +258,18 @@ class TargetRunner:
     def lookup(self, p: Prepared, free: int) -> TokenTree | None:
         """A decode step's own draft: the continuations of the history's latest 3-token
         matches, at most `free` tokens (the cheap rows left), or the call's `lookup` where
-        the latest match agrees over `long_match` tokens; no more than the call still emits
-        less the step's own token; None where there is none."""
+        the latest match agrees over `long_match` tokens and the forward stays within
+        LONG_ROWS tokens; no more than the call still emits less the step's own token;
+        None where there is none."""
         call, session = p.call, p.session
         if p.chunk or not call.lookup or not takes_steps(call):
             return None
         if call.params.seeded or not call.acceptance.lossless:
             return None
-        if free < call.lookup and self.long_match:  # a long match takes its whole lookup
+        fed = self.lookup_rows - free  # the forward's tokens so far
+        if free < call.lookup and self.long_match and fed + call.lookup <= LONG_ROWS:
             if self.index(session).agreement(self.long_match) >= self.long_match:
-                free = call.lookup
+                free = call.lookup  # a long match takes its whole lookup
         emitted = len(p.decoding.emitted) if p.decoding is not None else 0
         room = min(
             call.lookup,
@@ -362,15 +371,16 @@ class TargetRunner:
         done.emitted += outcome.emitted
         done.logprobs += outcome.logprobs or []
         done.forwards += 1
-        more = (
-            len(done.emitted) < call.most_emitted
-            and not any(token in call.stop_ids for token in outcome.emitted)
-            and len(p.session.committed) < self.engine.context_length
-            and self.forwards % call.steps
+        ended = (
+            (call.most and len(done.emitted) >= call.most)
+            or any(token in call.stop_ids for token in outcome.emitted)
+            or len(p.session.committed) >= self.engine.context_length
         )
-        if more:
+        if not ended and len(done.emitted) < call.most_emitted and self.forwards % call.steps:
             self.decoding[call.session_id] = done
             return UNFINISHED
+        if ended:
+            self.finished.add(call.session_id)
         logprobs = done.logprobs if call.num_logprobs >= 0 else None
         return VerifyOutcome(
             [],
@@ -471,7 +481,17 @@ class TargetRunner:
         while sum(len(s) for s in prefill.states[1:]) >= most:
             prefill.states.pop(0)
 
+    def due_sessions(self) -> list[str]:
+        """The sessions held that may call again soon: not those whose last call ended
+        their generation (a stop token, the context, or its `most` tokens: the gateway's
+        `most` is what the request still wants). The batcher waits for the sessions of
+        its previous step among these only (workers/rpc/batcher.py): a call of decode
+        steps that ends its request before its batch's steps would otherwise keep every
+        session still stepping waiting up to a step for a call that never comes."""
+        return [s for s in self.table.sessions if s not in self.finished]
+
     def end(self, session_id: str) -> bool:
+        self.finished.discard(session_id)
         self.chunking.pop(session_id, None)
         self.decoding.pop(session_id, None)
         self.indexes.pop(session_id, None)
