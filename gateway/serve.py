@@ -111,7 +111,8 @@ class ServeSettings(GatewayOptions, EngineOptions):
         WorkerSettings.model_fields["lookup_long_match"].default,
         ge=0,
         description="past those rows, a decode step still looks up where the session's history "
-        "agrees with its latest match over this many tokens; 0 = never",
+        "agrees with its latest match over this many tokens, while the forward feeds at most "
+        "32 tokens; 0 = never",
     )
     state_file: Path | None = Field(
         None, description="write the gateway URL and workers' addresses and pids here (JSON)"

@@ -137,7 +137,8 @@ class WorkerSettings(EngineOptions):
         ge=0,
         description="past those rows, a decode step still looks up where the session's history "
         "agrees with its latest match over this many tokens (its tokens are then accepted "
-        "almost always); 0 = never; none where rows come in blocks (the AMX tile unit)",
+        "almost always), while the forward feeds at most 32 tokens; 0 = never; none where "
+        "rows come in blocks (the AMX tile unit)",
     )
     drain_s: float = Field(
         1.0,

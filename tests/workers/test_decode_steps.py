@@ -17,6 +17,7 @@ from workers.engine.sessions import SessionTable
 from workers.protocol import UNFINISHED, VerifyCall, VerifyOutcome
 from workers.speculation.sampling import SamplingParams
 from workers.speculation.tree import TokenTree
+from workers.target import runner as runner_module
 from workers.target.runner import TargetRunner
 
 PROMPT = [5, 9, 2, 7, 7, 1, 30, 4]
@@ -268,6 +269,16 @@ def test_past_the_cheap_rows_only_long_matches_look_up():
         else:
             assert not any(nodes) and not target.past
     assert texts[0] == texts[1] == texts[2]
+
+
+def test_long_matches_look_up_only_while_the_forward_stays_small(monkeypatch):
+    """Beside many decode rows a looked-up row costs what an average one does: a long match
+    looks up only while the forward feeds at most LONG_ROWS tokens with it (here 5, which
+    three sessions' steps and a lookup of 3 exceed)."""
+    monkeypatch.setattr(runner_module, "LONG_ROWS", 5)
+    target = Recording(tiny_engine(seed=0, slots=3), SessionTable(3), lookup_rows=3)
+    answers = side_by_side(target, lookup=3, copying=True)
+    assert not any(out.lookup_nodes for _, out in answers) and not target.past
 
 
 def test_sampled_calls_look_up_only_without_a_seed():
