@@ -43,8 +43,8 @@ continuations of its latest 3-token matches, workers/speculation/ngram.py), in
 the same forward, where the forward's rows cost next to nothing, or where the
 history agrees with its latest match over `LONG_MATCH` tokens, a copied run the
 lookup's tokens continue almost always (`fill_rows`, after `fit_blocks`); the
-accepted ones and the target's token after them are
-that step's tokens, up to `most` in all. What the batch's sessions gain costs
+accepted ones and the target's token after them are that step's tokens, up to
+`most` in all. What the batch's sessions gain costs
 no round trip: a draft the gateway sends is a round of its own, answered after
 one forward, and the steps beside it wait for its next call (vLLM's n-gram
 speculation runs inside its engine for the same reason). The output is the
@@ -380,6 +380,8 @@ class TargetRunner:
             self.decoding[call.session_id] = done
             return UNFINISHED
         if ended:
+            if len(self.finished) >= 2 * self.table.num_slots:  # drop those of evicted sessions
+                self.finished = {s for s in self.finished if s in self.table.sessions}
             self.finished.add(call.session_id)
         logprobs = done.logprobs if call.num_logprobs >= 0 else None
         return VerifyOutcome(
