@@ -42,12 +42,13 @@ the worker drafts itself, by prompt lookup over the session's history (the
 continuations of its latest 3-token matches, workers/speculation/ngram.py), in
 the same forward, where the forward's rows cost next to nothing, or where the
 history agrees with its latest match over `LONG_MATCH` tokens, a copied run the
-lookup's tokens continue almost always (`fill_rows`, after `fit_blocks`); the
-accepted ones and the target's token after them are that step's tokens, up to
-`most` in all. What the batch's sessions gain costs
-no round trip: a draft the gateway sends is a round of its own, answered after
-one forward, and the steps beside it wait for its next call (vLLM's n-gram
-speculation runs inside its engine for the same reason). The output is the
+lookup's tokens continue almost always, while the forward feeds at most
+`LONG_ROWS` tokens (`fill_rows`, after `fit_blocks`); the accepted ones and the
+target's token after them are that step's tokens, up to `most` in all. What the
+batch's sessions gain costs no round trip: a draft the gateway sends is a round
+of its own, answered after one forward, and the steps beside it wait for its
+next call (vLLM's n-gram speculation runs inside its engine for the same
+reason). The output is the
 target's whatever the lookup finds (the same `verify`: its greedy tokens, or
 for a sampled call its distribution, a looked-up token being a deterministic
 draft). A seeded sampled call looks nothing up: how many tokens a step drafts
