@@ -338,10 +338,16 @@ class Speculation(Loop):
         return stepping
 
     def lookups(self, steps: int) -> int:
-        """`Loop.lookups` in its target's drafting epochs only: a plain epoch does
-        speculation off's work, so that the epochs weigh drafting, the target's own lookups
-        included, against none (gateway.epochs)."""
-        return super().lookups(steps) if self.drafting_epoch() else 0
+        """`Loop.lookups` in its target's drafting epochs, and in its plain epochs where the
+        target holds other sessions too: the worker looks up only in rows that cost next
+        to nothing or for long matches (workers/target/runner.py), so the epochs weigh the
+        gateway's drafts against none. With the session alone on its target a plain epoch
+        does speculation off's work: there plain epochs carrying lookups measured faster
+        than they were worth beside the deeper trees (bench/RESULTS.md, "Lookups in
+        drafting epochs only")."""
+        if self.drafting_epoch() or self.load > 1:
+            return super().lookups(steps)
+        return 0
 
     def drafts_may_pay(self) -> bool:
         """Whether a draft of any kind (an n-gram draft's: any match length) would beat
