@@ -86,6 +86,23 @@ class LoopOptions:
     decode_lookup: int = 0
 
 
+# A plain epoch (gateway.epochs) asks for the target's own lookups while the target holds
+# more than one session and fewer than this many: there a decode step's forward has rows
+# that cost next to nothing left (6 on this CPU's kernel), which the worker's lookups fill,
+# so the epochs weigh the gateway's drafts against none. 4 chat streams read 1.09 with them
+# and 0.98 without; from 8 streams only long-match lookups are left, which on chat read
+# 0.95-0.97 against 0.98 without (bench/RESULTS.md, "Lookups in plain epochs"); alone on its
+# target a session's plain epochs carrying lookups measured faster than they were worth
+# beside the deeper trees (the same file, "Lookups in drafting epochs only")
+PLAIN_LOOKUP_LOAD = 8
+
+
+def plain_lookups(load: int) -> bool:
+    """Whether a plain epoch's rounds at a target holding `load` sessions ask for its own
+    lookups (PLAIN_LOOKUP_LOAD)."""
+    return 1 < load < PLAIN_LOOKUP_LOAD
+
+
 # the shortest match a hybrid round's n-gram part copies after: a one-token match is
 # mostly noise on open-ended text, where the model drafts better
 HYBRID_MIN_NGRAM = 2
@@ -338,14 +355,9 @@ class Speculation(Loop):
         return stepping
 
     def lookups(self, steps: int) -> int:
-        """`Loop.lookups` in its target's drafting epochs, and in its plain epochs where the
-        target holds other sessions too: the worker looks up only in rows that cost next
-        to nothing or for long matches (workers/target/runner.py), so the epochs weigh the
-        gateway's drafts against none. With the session alone on its target a plain epoch
-        does speculation off's work: there plain epochs carrying lookups measured faster
-        than they were worth beside the deeper trees (bench/RESULTS.md, "Lookups in
-        drafting epochs only")."""
-        if self.drafting_epoch() or self.load > 1:
+        """`Loop.lookups` in its target's drafting epochs, and in its plain epochs while the
+        target holds 2 to PLAIN_LOOKUP_LOAD - 1 sessions (`plain_lookups`)."""
+        if self.drafting_epoch() or plain_lookups(self.load):
             return super().lookups(steps)
         return 0
 

@@ -8,6 +8,7 @@ from openai import OpenAI
 
 from gateway.adaptive import AdaptiveConfig, CostFit
 from gateway.epochs import Epochs, load_class
+from gateway.speculation import PLAIN_LOOKUP_LOAD
 from tests.gateway.helpers import MODEL, live, slow_target
 from tests.gateway.test_adaptive import SPEC, rates, session
 
@@ -97,6 +98,23 @@ def test_in_a_plain_epoch_a_session_looks_nothing_up_and_takes_decode_steps():
     assert speculation.shape(SPEC) is None
     assert len(speculation.suffix) < len(speculation.history)  # not looked up
     assert speculation.plain_steps() == 4
+
+
+def test_a_plain_epoch_asks_for_the_targets_own_lookups_only_beside_a_few_sessions():
+    """A drafting epoch asks every stepped round for the target's lookups; a plain one only
+    while its target holds 2 to PLAIN_LOOKUP_LOAD - 1 sessions, whose steps' forwards have
+    cheap rows left (gateway/speculation.py); a round of one step asks for none."""
+    speculation = session(rates(0.9), (5, 6, 7, 8) * 2, ngram=True, steps=4)
+    speculation.lookup = 3  # --decode-lookup 3
+    worker = SimpleNamespace(cost=CostFit(), load=1, max_tree_nodes=64, epochs=Epochs())
+    speculation.target.worker = worker
+    assert speculation.lookups(4) == 3 and speculation.lookups(1) == 0  # a drafting epoch
+    worker.epochs.running.drafting = False  # the target's epoch turns plain
+    asked = {}
+    for load in (1, 2, 4, PLAIN_LOOKUP_LOAD - 1, PLAIN_LOOKUP_LOAD, 32):
+        worker.load = load
+        asked[load] = speculation.lookups(4)
+    assert asked == {1: 0, 2: 3, 4: 3, PLAIN_LOOKUP_LOAD - 1: 3, PLAIN_LOOKUP_LOAD: 0, 32: 0}
 
 
 def test_epochs_that_switch_mid_request_keep_greedy_text_the_targets(tiny_dir):
