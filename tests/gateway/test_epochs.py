@@ -2,6 +2,7 @@
 kind of epoch whose rounds measure more tokens a second most of the time; and through the
 gateway's loop, epochs that switch mid-request leave greedy text as the target's."""
 
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 from openai import OpenAI
@@ -140,6 +141,33 @@ def test_epochs_that_switch_mid_request_keep_greedy_text_the_targets(tiny_dir):
                 assert sum(r.drafting.epochs for r in by_load) >= CONFIG.warm_epochs
                 assert sum(r.plain.epochs for r in by_load) >= CONFIG.warm_epochs
     assert texts[True] == texts[False]
+
+
+def test_plain_epochs_beside_a_few_sessions_keep_greedy_text_the_targets(tiny_dir):
+    """Three greedy streams at once through the gateway's loop, epochs of 50 ms switching
+    between drafting and plain rounds, decode steps verifying the target's own lookups in
+    8 cheap rows (a plain epoch asks for them at such a load): every text is speculation
+    off's, and both kinds of epoch ran at the load."""
+    copy = "one two three four five six seven eight nine ten "
+    prompts = [copy * 3, "red green blue " * 6, "to be or not to be " * 4]
+    kw = dict(adaptive_epoch_s=0.05, decode_steps=4, decode_lookup=3, suffix_cache_tokens=0)
+    with live(tiny_dir, [slow_target(tiny_dir, "t0", 0.004, lookup_rows=8)], **kw) as gateway:
+        client = OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
+
+        def complete(prompt: str, method: str) -> str:
+            extra = {"speculation": {"method": method}}
+            reply = client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=48, temperature=0, extra_body=extra
+            )
+            return reply.choices[0].text
+
+        off = [complete(p, "off") for p in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(lambda p: complete(p, "auto"), prompts * 2))
+        (worker,) = gateway.gateway.router.targets.workers.values()
+        rates = [r for r in worker.epochs.by_load.values() if r.turns]
+    assert texts == off * 2
+    assert sum(r.drafting.epochs for r in rates) and sum(r.plain.epochs for r in rates)
 
 
 def test_a_targets_epochs_are_exported_and_forgotten_with_it():
