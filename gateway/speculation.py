@@ -90,8 +90,8 @@ class LoopOptions:
 # more than one session and fewer than this many: beside as few decode rows a step's
 # forward has rows left that cost next to nothing (6 in all on this CPU's kernel), which
 # the worker's lookups fill, so the epochs weigh the gateway's drafts against none. 4 chat
-# streams read 1.09 with them and 0.98 without; beside more rows only long-match lookups
-# are left, which on chat at 8 streams read 0.95-0.97 against 0.98 without
+# streams read 1.04-1.09 with them and 0.98 without; beside more rows only long-match
+# lookups are left, which on chat at 8 streams read 0.95-0.97 against 0.98 without
 # (bench/RESULTS.md, "Lookups in plain epochs"). Alone on its target a session's plain
 # epochs carrying lookups measured faster than they were worth beside the deeper trees
 # (the same file, "Lookups in drafting epochs only").

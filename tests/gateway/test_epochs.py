@@ -147,7 +147,7 @@ def test_plain_epochs_beside_a_few_sessions_keep_greedy_text_the_targets(tiny_di
     """Three greedy streams at once through the gateway's loop, epochs of 50 ms switching
     between drafting and plain rounds, decode steps verifying the target's own lookups in
     8 cheap rows (a plain epoch asks for them at such a load): every text is speculation
-    off's, and both kinds of epoch ran at the load."""
+    off's, and both kinds of epoch ran."""
     copy = "one two three four five six seven eight nine ten "
     prompts = [copy * 3, "red green blue " * 6, "to be or not to be " * 4]
     kw = dict(adaptive_epoch_s=0.05, decode_steps=4, decode_lookup=3, suffix_cache_tokens=0)
