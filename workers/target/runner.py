@@ -267,9 +267,11 @@ class TargetRunner:
             return None
         if call.params.seeded or not call.acceptance.lossless:
             return None
+        index = None  # the session's, brought up to date once a lookup needs it
         fed = self.lookup_rows - free  # the forward's tokens so far
         if free < call.lookup and self.long_match and fed + call.lookup <= LONG_ROWS:
-            if self.index(session).agreement(self.long_match) >= self.long_match:
+            index = self.index(session)
+            if index.agreement(self.long_match) >= self.long_match:
                 free = call.lookup  # a long match takes its whole lookup
         emitted = len(p.decoding.emitted) if p.decoding is not None else 0
         room = min(
@@ -280,7 +282,9 @@ class TargetRunner:
         )
         if room <= 0:
             return None
-        tree = ngram_tree(self.index(session), min_ngram=MAX_NGRAM, depth=room, budget=room)
+        if index is None:
+            index = self.index(session)
+        tree = ngram_tree(index, min_ngram=MAX_NGRAM, depth=room, budget=room)
         return tree if len(tree) else None
 
     def index(self, session: Session) -> SuffixIndex:
