@@ -14,9 +14,10 @@ So a target's sessions take turns of epochs (`AdaptiveConfig.epoch_s`). In a
 drafting epoch every round is shaped by the cost model; in a plain epoch no
 session looks a draft up or weighs one, and rounds take decode steps, as with
 speculation off (the target's own lookups in its steps' cheap rows aside, at a
-target holding 2-5 sessions: gateway.speculation, PLAIN_LOOKUP_LOAD). Each
-epoch measures the tokens its sessions' rounds committed per second of those
-rounds (a round counts in the epoch it began and ended in), which takes in what
+target holding fewer sessions than its forwards have cheap rows:
+gateway.speculation, plain_lookups). Each epoch measures the tokens its
+sessions' rounds committed per second of those rounds (a round counts in the
+epoch it began and ended in), which takes in what
 any session's draft cost the others' rounds. Per load (the target's sessions at
 the epoch's start, by powers of two) each kind of epoch keeps an exponentially
 weighted mean and spread of its epochs' rates: the faster kind runs, and the

@@ -90,6 +90,12 @@ class Worker:
         return self.info.feature_size if self.info else 0
 
     @property
+    def lookup_rows(self) -> int | None:
+        """A target: the rows a forward computes about as cheaply as its first, which decode
+        steps' own lookups may fill; None = not stated (or not known yet)."""
+        return self.info.lookup_rows if self.info else None
+
+    @property
     def capacity(self) -> float:
         sessions = self.info.max_sessions if self.info else 0
         return sessions if sessions > 0 else math.inf

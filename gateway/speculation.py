@@ -87,21 +87,24 @@ class LoopOptions:
 
 
 # A plain epoch (gateway.epochs) asks for the target's own lookups while the target holds
-# more than one session and fewer than this many: beside as few decode rows a step's
-# forward has rows left that cost next to nothing (6 in all on this CPU's kernel), which
-# the worker's lookups fill, so the epochs weigh the gateway's drafts against none. 4 chat
-# streams read 1.04-1.09 with them and 0.98 without; beside more rows only long-match
-# lookups are left, which on chat at 8 streams read 0.95-0.97 against 0.98 without
-# (bench/RESULTS.md, "Lookups in plain epochs"). Alone on its target a session's plain
-# epochs carrying lookups measured faster than they were worth beside the deeper trees
-# (the same file, "Lookups in drafting epochs only").
-PLAIN_LOOKUP_LOAD = 6
+# more than one session and fewer than its forwards' cheap rows (`WorkerInfo.lookup_rows`:
+# 6 on this CPU's kernel, 16 on the AMX tile unit): beside as few decode rows a step's
+# forward has rows left that cost next to nothing, which the worker's lookups fill, so the
+# epochs weigh the gateway's drafts against none. 4 chat streams read 1.04-1.09 with them
+# and 0.98 without; beside more rows only long-match lookups are left, which on chat at 8
+# streams read 0.95-0.97 against 0.98 without (bench/RESULTS.md, "Lookups in plain
+# epochs"). Alone on its target a session's plain epochs carrying lookups measured faster
+# than they were worth beside the deeper trees (the same file, "Lookups in drafting epochs
+# only"). A worker that does not state its rows (one from before the field) is taken to
+# have this many, this CPU kernel's.
+UNSTATED_LOOKUP_ROWS = 6
 
 
-def plain_lookups(load: int) -> bool:
-    """Whether a plain epoch's rounds at a target holding `load` sessions ask for its own
-    lookups (PLAIN_LOOKUP_LOAD)."""
-    return 1 < load < PLAIN_LOOKUP_LOAD
+def plain_lookups(load: int, lookup_rows: int | None) -> bool:
+    """Whether a plain epoch's rounds at a target holding `load` sessions, whose forwards
+    have `lookup_rows` cheap rows (None: not stated), ask for its own lookups."""
+    rows = UNSTATED_LOOKUP_ROWS if lookup_rows is None else lookup_rows
+    return 1 < load < rows
 
 
 # the shortest match a hybrid round's n-gram part copies after: a one-token match is
@@ -357,10 +360,16 @@ class Speculation(Loop):
 
     def lookups(self, steps: int) -> int:
         """`Loop.lookups` in its target's drafting epochs, and in its plain epochs while the
-        target holds 2 to PLAIN_LOOKUP_LOAD - 1 sessions (`plain_lookups`)."""
-        if self.drafting_epoch() or plain_lookups(self.load):
+        target holds more than one session and fewer than its cheap rows (`plain_lookups`)."""
+        if self.drafting_epoch() or plain_lookups(self.load, self.lookup_rows):
             return super().lookups(steps)
         return 0
+
+    @property
+    def lookup_rows(self) -> int | None:
+        """The bound target's cheap rows as it states them; None while unknown."""
+        worker = self.target.worker
+        return worker.lookup_rows if worker is not None else None
 
     def drafts_may_pay(self) -> bool:
         """Whether a draft of any kind (an n-gram draft's: any match length) would beat

@@ -9,7 +9,7 @@ from openai import OpenAI
 
 from gateway.adaptive import AdaptiveConfig, CostFit
 from gateway.epochs import Epochs, load_class
-from gateway.speculation import PLAIN_LOOKUP_LOAD
+from gateway.speculation import UNSTATED_LOOKUP_ROWS
 from tests.gateway.helpers import MODEL, live, slow_target
 from tests.gateway.test_adaptive import SPEC, rates, session
 
@@ -103,19 +103,31 @@ def test_in_a_plain_epoch_a_session_looks_nothing_up_and_takes_decode_steps():
 
 def test_a_plain_epoch_asks_for_the_targets_own_lookups_only_beside_a_few_sessions():
     """A drafting epoch asks every stepped round for the target's lookups; a plain one only
-    while its target holds 2 to PLAIN_LOOKUP_LOAD - 1 sessions, whose steps' forwards have
-    cheap rows left (gateway/speculation.py); a round of one step asks for none."""
+    while its target holds more than one session and fewer than the cheap rows it states
+    (`WorkerInfo.lookup_rows`; UNSTATED_LOOKUP_ROWS where it states none), so that its
+    steps' forwards have rows left that cost next to nothing (gateway/speculation.py); a
+    round of one step asks for none."""
     speculation = session(rates(0.9), (5, 6, 7, 8) * 2, ngram=True, steps=4)
     speculation.lookup = 3  # --decode-lookup 3
-    worker = SimpleNamespace(cost=CostFit(), load=1, max_tree_nodes=64, epochs=Epochs())
+    worker = SimpleNamespace(
+        cost=CostFit(), load=1, max_tree_nodes=64, epochs=Epochs(), lookup_rows=None
+    )
     speculation.target.worker = worker
     assert speculation.lookups(4) == 3 and speculation.lookups(1) == 0  # a drafting epoch
     worker.epochs.running.drafting = False  # the target's epoch turns plain
-    asked = {}
-    for load in (1, 2, 4, PLAIN_LOOKUP_LOAD - 1, PLAIN_LOOKUP_LOAD, 32):
-        worker.load = load
-        asked[load] = speculation.lookups(4)
-    assert asked == {1: 0, 2: 3, 4: 3, PLAIN_LOOKUP_LOAD - 1: 3, PLAIN_LOOKUP_LOAD: 0, 32: 0}
+
+    def asking(rows: int | None) -> list[int]:
+        """The loads at which a plain epoch asks for 3 looked-up tokens a step."""
+        worker.lookup_rows, asked = rows, []
+        for load in (1, 2, 4, 5, 6, 8, 15, 16, 32):
+            worker.load = load
+            if speculation.lookups(4) == 3:
+                asked.append(load)
+        return asked
+
+    assert asking(None) == asking(UNSTATED_LOOKUP_ROWS) == [2, 4, 5]  # this CPU's kernel: 6
+    assert asking(16) == [2, 4, 5, 6, 8, 15]  # the AMX tile unit's
+    assert asking(1) == asking(0) == []  # no cheap rows: a plain epoch asks for none
 
 
 def test_epochs_that_switch_mid_request_keep_greedy_text_the_targets(tiny_dir):
@@ -146,8 +158,8 @@ def test_epochs_that_switch_mid_request_keep_greedy_text_the_targets(tiny_dir):
 def test_plain_epochs_beside_a_few_sessions_keep_greedy_text_the_targets(tiny_dir):
     """Three greedy streams at once through the gateway's loop, epochs of 50 ms switching
     between drafting and plain rounds, decode steps verifying the target's own lookups in
-    8 cheap rows (a plain epoch asks for them at such a load): every text is speculation
-    off's, and both kinds of epoch ran."""
+    8 cheap rows, which it states in its Info (a plain epoch asks for them at such a load):
+    every text is speculation off's, and both kinds of epoch ran."""
     copy = "one two three four five six seven eight nine ten "
     prompts = [copy * 3, "red green blue " * 6, "to be or not to be " * 4]
     kw = dict(adaptive_epoch_s=0.05, decode_steps=4, decode_lookup=3, suffix_cache_tokens=0)
@@ -167,6 +179,7 @@ def test_plain_epochs_beside_a_few_sessions_keep_greedy_text_the_targets(tiny_di
         (worker,) = gateway.gateway.router.targets.workers.values()
         rates = [r for r in worker.epochs.by_load.values() if r.turns]
     assert texts == off * 2
+    assert worker.lookup_rows == 8  # the gateway bounds plain epochs' lookups by them
     assert sum(r.drafting.epochs for r in rates) and sum(r.plain.epochs for r in rates)
 
 

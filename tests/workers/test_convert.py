@@ -1,5 +1,7 @@
 """Messages <-> dataclasses: what goes through the wire comes back equal."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -96,6 +98,9 @@ def test_check_pair():
     check_pair(info("draft", "abc"), info("target", "abc"))
     check_pair(info("draft", ""), info("target", "abc"))  # model-free drafts pair with any target
     assert convert.info_from_proto(convert.info_to_proto(info("draft", "x"))) == info("draft", "x")
+    for rows in (None, 0, 16):  # a target's cheap rows: not stated, none, the tile unit's
+        target = replace(info("target", "x"), lookup_rows=rows)
+        assert convert.info_from_proto(convert.info_to_proto(target)) == target
     with pytest.raises(IncompatibleWorkers, match="different tokenizers"):
         check_pair(info("draft", "abc"), info("target", "abd"))
     with pytest.raises(IncompatibleWorkers, match="a draft and a target"):

@@ -128,12 +128,14 @@ async def test_shutdown_finishes_in_flight_calls_then_refuses_new_ones():
 
 
 async def test_info_and_metric_names():
-    async with target_worker(tiny_engine(seed=0, slots=3), max_tree_nodes=12) as (server, target):
+    engine = tiny_engine(seed=0, slots=3)
+    async with target_worker(engine, max_tree_nodes=12) as (server, target):
         await target.verify(START)
         info = await target.info()
         assert info.role == "target" and info.tokenizer_fingerprint == "vocab:96"
         assert (info.vocab_size, info.context_length, info.max_sessions) == (96, 256, 3)
         assert (info.live_sessions, info.max_tree_nodes) == (1, 12)
+        assert info.lookup_rows == engine.cheap_rows  # the rows its steps' lookups may fill
         assert await target.health()
         metrics = scrape(server)
         for name in METRICS:

@@ -195,6 +195,9 @@ class WorkerInfo:
     # a target: the width of the hidden states it returns; a draft: the width of the target
     # states it feeds on (a feature draft), 0 = none
     feature_size: int = 0
+    # a target: the tokens a forward may feed and still carry decode steps' own lookups at
+    # next to no cost (TargetRunner.lookup_rows); None = not stated (an older worker)
+    lookup_rows: int | None = None
 
     def pairs_with(self, fingerprint: str) -> bool:
         """Whether this worker's token ids mean the same as a tokenizer's with `fingerprint`."""

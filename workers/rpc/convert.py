@@ -297,6 +297,7 @@ def info_to_proto(info: WorkerInfo) -> pb.InfoResponse:
         kv_tokens=info.kv_tokens,
         kv_tokens_used=info.kv_tokens_used,
         feature_size=info.feature_size,
+        lookup_rows=info.lookup_rows,
     )
 
 
@@ -315,4 +316,5 @@ def info_from_proto(msg: pb.InfoResponse) -> WorkerInfo:
         kv_tokens=msg.kv_tokens,
         kv_tokens_used=msg.kv_tokens_used,
         feature_size=msg.feature_size,
+        lookup_rows=msg.lookup_rows if msg.HasField("lookup_rows") else None,
     )

@@ -507,7 +507,8 @@ class TargetRunner:
         return self.table.end(session_id)
 
     def info(self) -> WorkerInfo:
-        return self.engine.info("target", self.max_tree_nodes, len(self.table))
+        info = self.engine.info("target", self.max_tree_nodes, len(self.table))
+        return replace(info, lookup_rows=self.lookup_rows)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:
