@@ -152,10 +152,19 @@ def test_the_gateway_learns_what_a_round_spends_besides_the_targets_forward(tiny
     """Over a real gRPC target, the one-forward rounds teach the target's cost what a round
     spends outside the call's work and besides the forward (gateway.adaptive.RoundCost),
     what a round of decode steps pays once: adaptive trees weigh no draft with it. The
-    gateway exports the cost as its trees read it, by part."""
+    gateway exports the cost as its trees read it, by part. One drafting epoch
+    (gateway/epochs.py) holds both requests: a plain epoch, which a slow machine could
+    reach after the first 4 s, takes decode steps in every round."""
     with grpc_workers({"target": load_engine(tiny_dir)}) as addresses:
         address = addresses["target"]
-        config = settings(tiny_dir, [address], insecure=True, decode_steps=4, health_interval_s=0.1)
+        config = settings(
+            tiny_dir,
+            [address],
+            insecure=True,
+            decode_steps=4,
+            health_interval_s=0.1,
+            adaptive_epoch_s=3600.0,
+        )
         with LiveGateway(create_app(config)) as gateway:
             client = OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
             for _ in range(2):
