@@ -17,14 +17,14 @@ speculation off (the target's own lookups in its steps' cheap rows aside, at a
 target holding fewer sessions than its forwards have cheap rows:
 gateway.speculation, plain_lookups). Each epoch measures the tokens its
 sessions' rounds committed per second of those rounds (a round counts in the
-epoch it began and ended in), which takes in what
-any session's draft cost the others' rounds. Per load (the target's sessions at
-the epoch's start, by powers of two) each kind of epoch keeps an exponentially
-weighted mean and spread of its epochs' rates: the faster kind runs, and the
-other every `explore_every`-th epoch (a quarter as often once they differ by
-more than twice their standard error), so the verdict follows the text and the
-load. A load's first epochs draft, then run plain, `warm_epochs` of each. An
-epoch whose rounds add up to less than a tenth of `epoch_s` teaches nothing (a
+epoch it began and ended in), which takes in what any session's draft cost the
+others' rounds. Per load (the target's sessions at the epoch's start, by powers
+of two) each kind of epoch keeps an exponentially weighted mean and spread of
+its epochs' rates: the faster kind runs, and the other every
+`explore_every`-th epoch (a quarter as often once they differ by more than
+twice their standard error), so the verdict follows the text and the load. A
+load's first epochs draft, then run plain, `warm_epochs` of each. An epoch
+whose rounds add up to less than a tenth of `epoch_s` teaches nothing (a
 target between requests).
 """
 
