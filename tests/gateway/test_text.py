@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers
+from transformers import PreTrainedTokenizerFast
 
 from gateway.text import IncrementalDetokenizer, StopStrings, TextStream, TokenText
 from tests.gateway.helpers import word_tokenizer
@@ -44,6 +46,66 @@ def test_special_tokens_produce_no_text():
     detok = IncrementalDetokenizer(tokenizer)
     out = [detok.push(t) for t in ids(tokenizer, "the cat") + [tokenizer.eos_token_id]]
     assert out == ["the", " cat", ""]
+
+
+class PythonOnly:
+    """A tokenizer without a Rust backend in view: the detokenizer's Python window."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+
+
+def sentencepiece_tokenizer() -> PreTrainedTokenizerFast:
+    """Llama-style pieces: a leading "▁" for a space, bytes (<0xNN>) for unknown
+    characters, the first piece's space dropped when decoded."""
+    byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
+    merges = [("▁", "t"), ("▁t", "h"), ("▁th", "e"), ("▁", "c"), ("▁c", "a"), ("▁ca", "t")]
+    pieces = ["<unk>", "</s>", *byte_pieces, "▁", *"thecas", *("".join(m) for m in merges)]
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(pieces))}
+    model = models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True)
+    tok = Tokenizer(model)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("kind", ["byte", "word", "sentencepiece"])
+def test_the_rust_stream_and_the_python_window_give_the_same_pieces(kind, byte_tokenizer):
+    tokenizer = {
+        "byte": byte_tokenizer,
+        "word": word_tokenizer(),
+        "sentencepiece": sentencepiece_tokenizer(),
+    }[kind]
+    text = {
+        "word": "the cat café 日本 sat on über mat",
+        "byte": "Grüße, 世界! 🙂 done",
+        "sentencepiece": "the cats 日本 the cat🙂",
+    }[kind]
+    tokens = ids(tokenizer, text) + [tokenizer.eos_token_id]
+    rust, python = IncrementalDetokenizer(tokenizer), IncrementalDetokenizer(PythonOnly(tokenizer))
+    assert rust.backend is not None and getattr(python, "backend", None) is None
+    pieces = [rust.push(t) for t in tokens]
+    assert pieces == [python.push(t) for t in tokens]
+    assert "".join(pieces) + rust.flush() == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert python.flush() == ""
+
+
+def test_an_incomplete_tail_flushes_alike_through_both(byte_tokenizer):
+    tokens = ids(byte_tokenizer, "a日")[:2]
+    for detok in (
+        IncrementalDetokenizer(byte_tokenizer),
+        IncrementalDetokenizer(PythonOnly(byte_tokenizer)),
+    ):
+        assert [detok.push(t) for t in tokens] == ["a", ""]
+        assert detok.flush() == "\ufffd"
+        assert detok.flush() == ""
 
 
 @pytest.mark.parametrize(
