@@ -73,10 +73,13 @@ class Serve:
 def serve(tmp_path_factory):
     # the killed target stays down (no restart within the module): tests/chaos has the restart.
     # No suffix cache: the kill test repeats a greedy request, which would draft its whole
-    # answer from the first one's output and could end before the 4th chunk
+    # answer from the first one's output and could end before the 4th chunk. One drafting
+    # epoch all along (gateway/epochs.py): the metrics test counts drafts, which a plain
+    # epoch, reached 4 s after the first rounds by a slow enough suite, would not send
     server = Serve(
         tmp_path_factory.mktemp("serve"),
         *("--targets", "2", "--restart-backoff-s", "600", "--suffix-cache-tokens", "0"),
+        *("--adaptive-epoch-s", "3600"),
     )
     server.wait_ready()
     yield server
