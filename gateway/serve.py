@@ -43,10 +43,12 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import uvicorn
@@ -153,12 +155,20 @@ class ServeSettings(GatewayOptions, EngineOptions):
         return self.target_model if role == "target" else self.draft_model
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_ports(count: int, taken: Collection[int] = (), host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports free on `host` now, none of `taken`. Each socket stays bound
+    until all are chosen, so the system hands none out twice; a port is only free when
+    chosen, so the gateway's own (uvicorn binds it while the workers still load their
+    models) goes in `taken`: a worker given it found it bound (a bench's serve that chose
+    its `--port` the same way saw this)."""
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        while len(ports) < count:
+            sock = held.enter_context(socket.socket())
+            sock.bind((host, 0))
+            if (port := sock.getsockname()[1]) not in taken:
+                ports.append(port)
+        return ports
 
 
 WORKER_PREFIX = "worker_"  # serve's --worker-X is each worker's --X
@@ -198,11 +208,8 @@ def worker_options() -> list[str]:
     return sorted(n for n in own - set(EngineOptions.model_fields) if n.startswith(WORKER_PREFIX))
 
 
-def start_worker(
-    role: str, model: str, s: ServeSettings, tls: Path | None, port: int | None = None
-) -> Child:
-    """A worker process on `port` (a free one when None)."""
-    port = port or free_port()
+def start_worker(role: str, model: str, s: ServeSettings, tls: Path | None, port: int) -> Child:
+    """A worker process on `port`."""
     worker = worker_settings(role, model, s, tls, port)
     command = [sys.executable, "-m", "workers.tools.cli", "worker", *to_argv(worker, ("role",))]
     # a session of its own: a terminal's Ctrl-C reaches serve alone, which drains the gateway
@@ -283,9 +290,10 @@ async def serve(s: ServeSettings) -> int:
         tls = Path(credentials.enter_context(tempfile.TemporaryDirectory(prefix="specsplit-")))
         issue(tls, ["127.0.0.1", "localhost"])
     try:
-        for role, n in (("target", s.targets), ("draft", s.draft_workers)):
-            children += [start_worker(role, s.model_of(role), s, tls) for _ in range(n)]
-        port = s.port or free_port(s.host)
+        port = s.port or free_ports(1, host=s.host)[0]
+        roles = ["target"] * s.targets + ["draft"] * s.draft_workers
+        for role, at in zip(roles, free_ports(len(roles), {port}), strict=True):
+            children.append(start_worker(role, s.model_of(role), s, tls, at))
         app = create_app(gateway_settings(s, children, port, tls))
         config = uvicorn.Config(
             app, host=s.host, port=port, log_level=s.log_level.lower(), timeout_graceful_shutdown=5

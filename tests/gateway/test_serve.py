@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +22,8 @@ import pytest
 import torch
 from openai import OpenAI
 
-from gateway.serve import ServeSettings, worker_options, worker_settings
+import gateway.serve as serve_module
+from gateway.serve import ServeSettings, free_ports, worker_options, worker_settings
 from tests.gateway.helpers import free_port, wait_until
 from workers.protocol import WorkerDown
 from workers.rpc.client import GrpcBackend
@@ -288,3 +290,27 @@ def test_every_worker_option_of_serve_reaches_the_workers_it_starts():
     argv = to_argv(worker, ("role",))
     assert "--prefix-state-mib" in argv
     assert argv[argv.index("--prefix-state-mib") + 1] == str(changed["worker_prefix_state_mib"])
+
+
+def test_worker_ports_are_distinct_and_never_the_gateways():
+    """A port is free only when it is chosen: serve's gateway binds its own while the workers
+    still load, so the workers' ports skip it (a bench's serve was handed its `--port` for
+    a worker once), and each is held until all are chosen, so none comes twice."""
+    (gateway,) = free_ports(1)
+    ports = free_ports(32, {gateway})
+    assert len(set(ports)) == 32 and gateway not in ports
+
+
+def test_a_port_the_system_hands_out_again_is_skipped_when_taken(monkeypatch):
+    handed = iter([8000, 8001, 8002])  # the system hands out the gateway's port first
+
+    class Socket(socket.socket):
+        def bind(self, address):
+            super().bind((address[0], 0))
+            self.port = next(handed)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(serve_module.socket, "socket", Socket)
+    assert free_ports(2, {8000}) == [8001, 8002]
