@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from gateway.app import create_app
+from gateway.serve import free_ports
 from gateway.settings import GatewaySettings
 from tests.engine.tiny import tiny_hf_model
 from workers.draft.features import model_drafter
@@ -152,9 +152,7 @@ def settings(model_dir: Path, targets: list[str], drafts: list[str] = (), **kw) 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @dataclass
