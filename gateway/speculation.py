@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from gateway.adaptive import (
@@ -121,17 +121,19 @@ class PoolRoute:
     affinity: str | None = None  # conversation key: its workers are preferred
     method: str = "auto"  # the request's drafter: auto (the deployment's), off, ngram, draft
     prefix: tuple[bytes, ...] = ()  # its prompt's routing keys (gateway.pool.prompt_blocks)
+    # the method's pool, chosen once when the request starts (None: "off", or a method the
+    # deployment does not have); the loop asks for it several times a round
+    draft_pool: Pool | None = field(init=False)
+    drafts: bool = field(init=False)  # whether the session drafts at all
+
+    def __post_init__(self) -> None:
+        router = self.router
+        auto = self.method == "auto"
+        self.draft_pool = router.drafts if auto else router.draft_pools().get(self.method)
+        self.drafts = self.draft_pool is not None
 
     def pool(self, role: Role) -> Pool | None:
-        if role == "target":
-            return self.router.targets
-        if self.method == "auto":
-            return self.router.drafts
-        return self.router.draft_pools().get(self.method)  # "off": none
-
-    @property
-    def drafts(self) -> bool:
-        return self.pool("draft") is not None
+        return self.router.targets if role == "target" else self.draft_pool
 
     def attempts(self, role: Role) -> int:
         return ATTEMPTS + len(self.pool(role).workers)
@@ -483,8 +485,8 @@ class Speculation(Loop):
         # a draft of the gateway's accepted (the target's own lookups do not count: steps)
         self.unaccepted = 0 if round_.tree_accepted else self.unaccepted + len(round_.tokens)
         if self.route.drafts:
-            self.metrics.round_phase.labels("draft").observe(draft_s)
-        self.metrics.round_phase.labels("verify").observe(verify_s)
+            self.metrics.phase["draft"].observe(draft_s)
+        self.metrics.phase["verify"].observe(verify_s)
         self.observe_cost(draft_s, verify_s)
         self.observe_epoch(round_)
         path_depth = int(depths(tree.parents).max()) if len(tree) else 0
@@ -569,4 +571,4 @@ class Speculation(Loop):
             worker.cost.observe_gaps(max(0.0, round_s - work_s), beside_s, self.config, share)
 
     def after_emit(self, seconds: float) -> None:
-        self.metrics.round_phase.labels("gateway").observe(seconds)
+        self.metrics.phase["gateway"].observe(seconds)
