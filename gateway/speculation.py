@@ -124,16 +124,18 @@ class PoolRoute:
     # the method's pool, chosen once when the request starts (None: "off", or a method the
     # deployment does not have); the loop asks for it several times a round
     draft_pool: Pool | None = field(init=False)
-    drafts: bool = field(init=False)  # whether the session drafts at all
 
     def __post_init__(self) -> None:
         router = self.router
         auto = self.method == "auto"
         self.draft_pool = router.drafts if auto else router.draft_pools().get(self.method)
-        self.drafts = self.draft_pool is not None
 
     def pool(self, role: Role) -> Pool | None:
         return self.router.targets if role == "target" else self.draft_pool
+
+    @property
+    def drafts(self) -> bool:
+        return self.draft_pool is not None
 
     def attempts(self, role: Role) -> int:
         return ATTEMPTS + len(self.pool(role).workers)
