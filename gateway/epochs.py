@@ -22,13 +22,7 @@ others' rounds. Per load (the target's sessions at the epoch's start, by powers
 of two) each kind of epoch keeps an exponentially weighted mean and spread of
 its epochs' rates: the faster kind runs, and the other every
 `explore_every`-th epoch (a quarter as often once they differ by more than
-twice their standard error), so the verdict follows the text and the load.
-Drafting is the faster kind only when it leads by more than one standard
-error: within that the two are at parity, and a drafting epoch that drafts
-next to nothing still does work a plain one does not (the prompt's lookup
-index, weighing each round's shapes, the target's own lookups), 1-2% of the
-CPU a token at the 2-core VM's loads where nothing pays
-(bench/runs/2026-11-29-s59-parity). A
+twice their standard error), so the verdict follows the text and the load. A
 load's first epochs draft, then run plain, `warm_epochs` of each. An epoch
 whose rounds add up to less than a tenth of `epoch_s` teaches nothing (a
 target between requests).
@@ -43,7 +37,6 @@ from gateway.adaptive import AdaptiveConfig
 
 CLEAR_SE = 2.0  # a lead of this many standard errors explores the other kind less often
 CLEAR_SLOWDOWN = 4  # ... this many times less often
-DRAFTING_LEAD_SE = 1.0  # drafting runs as the faster kind only past this many standard errors
 
 
 @dataclass
@@ -103,11 +96,10 @@ class LoadRates:
             return False
         lead = self.drafting.mean - self.plain.mean
         spread = self.drafting.variance_of_mean(config) + self.plain.variance_of_mean(config)
-        error = math.sqrt(spread)
-        clear = abs(lead) > CLEAR_SE * error
+        clear = abs(lead) > CLEAR_SE * math.sqrt(spread)
         period = config.explore_every * (CLEAR_SLOWDOWN if clear else 1)
         explore = self.turns % period == 0
-        return (lead > DRAFTING_LEAD_SE * error) != explore
+        return (lead >= 0) != explore
 
 
 def load_class(load: int) -> int:
