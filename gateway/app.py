@@ -19,8 +19,8 @@ from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import APIError, install_error_handlers
-from gateway.metrics import ENDPOINTS, Metrics
-from gateway.routes import STATIC, openapi, ops, v1
+from gateway.metrics import Metrics, endpoint_of
+from gateway.routes import STATIC, authenticate_v1, openapi, ops, v1
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from workers.protocol import BackendFactory
@@ -50,7 +50,7 @@ def create_app(settings: GatewaySettings, backend_factory: BackendFactory | None
     app.state.settings = settings
     app.state.metrics = metrics
     app.openapi = functools.partial(openapi, app)
-    install_error_handlers(app)
+    install_error_handlers(app, authenticate_v1)
     app.include_router(v1)
     app.include_router(ops)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
@@ -71,7 +71,7 @@ class CountRequests:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        endpoint = ENDPOINTS.get(scope["path"], "other")
+        endpoint = endpoint_of(scope["path"])
         status = 500
         scope.setdefault("state", {})["arrived"] = time.perf_counter()  # for time to first token
 

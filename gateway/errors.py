@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -118,10 +119,18 @@ def param_path(loc: tuple | list) -> str | None:
     return out or None
 
 
-def validation_error(error: RequestValidationError) -> APIError:
+def validation_error(error: RequestValidationError, json_sent: bool = True) -> APIError:
+    """The 400 of a body that failed validation; `json_sent`: the request said its body is
+    JSON (Content-Type), without which FastAPI does not read it as JSON."""
     first = error.errors()[0] if error.errors() else {"msg": "invalid request", "loc": ()}
     if first.get("type") == "json_invalid":
         return bad_request("the request body is not valid JSON", None, "invalid_json")
+    if not json_sent:
+        return bad_request(
+            "the request body must be JSON, sent with Content-Type: application/json",
+            None,
+            "invalid_body",
+        )
     param = param_path(first.get("loc", ()))
     message = str(first.get("msg", "invalid value"))
     if first.get("type") == "missing" and param is None:
@@ -135,14 +144,24 @@ def validation_error(error: RequestValidationError) -> APIError:
     return bad_request(f"`{param}`: {message}" if param else message, param, "invalid_value")
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, authenticate: Callable[[Request], None]) -> None:
+    """`authenticate` raises the APIError a request's credentials earn, if any: it is
+    answered before what is wrong with the request's body."""
+
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, error: APIError) -> JSONResponse:
         return error.response()
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-        return validation_error(error).response()
+        try:
+            authenticate(request)
+        except APIError as refused:
+            return refused.response()
+        content_type = request.headers.get("content-type", "")  # none is read as JSON
+        return validation_error(
+            error, json_sent=not content_type or "json" in content_type
+        ).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:

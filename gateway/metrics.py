@@ -54,7 +54,8 @@ from gateway.adaptive import RoundCost
 from gateway.epochs import Epochs
 from workers.protocol import Role
 
-# request path -> `endpoint` label; any other path is "other"
+# request path -> `endpoint` label; a model's own path (/v1/models/ID) is "models" too,
+# any other path "other"
 ENDPOINTS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
@@ -62,6 +63,13 @@ ENDPOINTS = {
     "/health": "health",
     "/metrics": "metrics",
 }
+
+
+def endpoint_of(path: str) -> str:
+    """The `endpoint` label of a request path."""
+    return "models" if path.startswith("/v1/models/") else ENDPOINTS.get(path, "other")
+
+
 GENERATION_ENDPOINTS = ("chat", "completions")
 # what the generation routes answer (their `responses=` in gateway/routes.py)
 GENERATION_STATUSES = ("200", "400", "401", "404", "413", "429", "500", "503")

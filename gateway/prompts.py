@@ -17,34 +17,53 @@ from workers.speculation.sampling import SamplingParams
 
 
 def message_text(message: ChatMessage, index: int) -> str:
+    """A message's text; text parts are joined by newlines, as vLLM joins them."""
     content = message.content
     if content is None:
+        if message.role != "assistant":
+            raise bad_request(
+                f"`messages[{index}].content` is required", f"messages[{index}].content"
+            )
         return ""
     if isinstance(content, str):
         return content
     texts = []
     for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            raise unsupported(
-                f"messages[{index}].content[{j}]", f"of type {part.type!r} is not supported"
-            )
+        param = f"messages[{index}].content[{j}]"
+        if part.type != "text":
+            raise unsupported(param, f"of type {part.type!r} is not supported")
+        if part.text is None:
+            raise bad_request(f"`{param}.text` is required", f"{param}.text")
         texts.append(part.text)
-    return "".join(texts)
+    return "\n".join(texts)
 
 
-def chat_prompt(tokenizer, messages: list[ChatMessage]) -> list[int]:
+def chat_prompt(tokenizer, request: ChatCompletionRequest) -> list[int]:
     turns = []
-    for i, message in enumerate(messages):
+    for i, message in enumerate(request.messages):
         if message.role in ("tool", "function"):
             raise unsupported(
                 f"messages[{i}].role", f"{message.role!r} is not supported (no tools)"
             )
+        for name in message.unbuilt():
+            if getattr(message, name) not in (None, []):
+                raise unsupported(
+                    f"messages[{i}].{name}",
+                    "set is not supported (no tools, audio or refusals are served)",
+                )
         role = "system" if message.role == "developer" else message.role
         turns.append({"role": role, "content": message_text(message, i)})
+    if request.continue_final_message and turns[-1]["role"] != "assistant":
+        raise bad_request(
+            "`continue_final_message` needs the last message to be the assistant's",
+            "continue_final_message",
+        )
     if getattr(tokenizer, "chat_template", None) is None:
         raise bad_request("the model has no chat template: use /v1/completions", "messages")
     try:
-        return encode_chat(tokenizer, turns)
+        return encode_chat(
+            tokenizer, turns, request.add_generation_prompt, request.continue_final_message
+        )
     except Exception as error:  # templates raise on conversations they do not accept
         raise bad_request(f"the chat template refused the messages: {error}", "messages") from error
 

@@ -47,6 +47,18 @@ def require_api_key(request: Request, credentials: Bearer) -> None:
         )
 
 
+def authenticate_v1(request: Request) -> None:
+    """The key check for a /v1 request whose body failed validation (which FastAPI does
+    before the dependencies): a request without a valid key hears 401 first, as OpenAI's API
+    answers."""
+    if not request.url.path.startswith(v1.prefix + "/"):
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    bearer = scheme.lower() == "bearer" and token.strip()
+    credentials = HTTPAuthorizationCredentials(scheme=scheme, credentials=token) if bearer else None
+    require_api_key(request, credentials)
+
+
 class PoolCounts(BaseModel):
     serving: int  # workers passing health checks
     configured: int  # workers the gateway knows of
@@ -83,6 +95,11 @@ ops = APIRouter(responses=error_responses(500))
 @v1.get("/models")
 async def list_models(request: Request):
     return gateway(request).models()
+
+
+@v1.get("/models/{model:path}", responses=error_responses(404))
+async def retrieve_model(model: str, request: Request):
+    return gateway(request).model(model)
 
 
 @v1.post("/chat/completions", responses={200: COMPLETION, **GENERATION_ERRORS})

@@ -9,18 +9,51 @@ asked for without being told.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from types import NoneType
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.fields import FieldInfo
 
 from gateway.errors import APIError, unsupported
 
 NonNegInt = Annotated[int, Field(ge=0)]
 
 
+def null_means_default(field: FieldInfo) -> bool:
+    """An optional field whose type has no null: a null sent for it stands for its default."""
+    return not field.is_required() and NoneType not in get_args(field.annotation)
+
+
+def optional_fields_nullable(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """The JSON schema (OpenAPI's too) says what `Strict` accepts: null for such fields."""
+    properties = schema.get("properties", {})
+    for name, field in model.model_fields.items():
+        if name in properties and null_means_default(field):
+            value = properties[name]
+            kept = {k: value.pop(k) for k in ("title", "default") if k in value}
+            properties[name] = {"anyOf": [value, {"type": "null"}], **kept}
+
+
 class Strict(BaseModel):
     # no coercion either: `false` is not a token id, nor `0.0` a boolean, nor "5" a count
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(
+        extra="forbid", strict=True, json_schema_extra=optional_fields_nullable
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_the_default(cls, data: Any) -> Any:
+        """An explicit null for an optional field means its default, as in OpenAI's API
+        (whose SDK sends null for an argument given as None): `"n": null` is n = 1."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or not null_means_default(fields[key])
+        }
 
 
 class StreamOptions(Strict):
@@ -67,9 +100,23 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(Strict):
+    """One message. An assistant message as a response carries it (the SDK's
+    `message.model_dump()`) is taken back: its tool, audio and refusal fields only when
+    empty, as this server calls no tools; its annotations (citations) are not part of
+    the prompt."""
+
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = None  # required but for an assistant's
     name: str | None = None  # accepted; chat templates have no place for it
+    refusal: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    annotations: list[Any] | None = None
+    tool_call_id: str | None = None
+
+    def unbuilt(self) -> tuple[str, ...]:
+        return ("refusal", "tool_calls", "function_call", "audio", "tool_call_id")
 
 
 class SamplingFields(Strict):
@@ -84,9 +131,14 @@ class SamplingFields(Strict):
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # also the affinity key when no X-Session-ID is sent
+    # the affinity key when no X-Session-ID is sent: prompt_cache_key, else user
+    prompt_cache_key: str | None = None
+    user: str | None = None
+    safety_identifier: str | None = None  # accepted; changes nothing here
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)  # vLLM's; only 1 (none) is served
+    ignore_eos: bool = False  # vLLM's: generate past the end-of-sequence token
     speculation_stats: bool = False  # extra body: this request's speculation counters
     speculation: SpeculationRequest | None = None  # extra body: how this request speculates
     # extra body (vLLM's): cached prompt prefixes are shared only with the same salt
@@ -98,11 +150,15 @@ class SamplingFields(Strict):
     service_tier: str | None = None
 
     def refuse_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
+        for name, none in (
+            ("presence_penalty", 0),
+            ("frequency_penalty", 0),
+            ("repetition_penalty", 1),
+        ):
+            if getattr(self, name) not in (None, none):
                 raise APIError(
                     400,
-                    f"`{name}` must be 0: penalties change the target distribution, and this "
+                    f"`{name}` must be {none}: penalties change the target distribution, and this "
                     "server decodes losslessly",
                     name,
                     "unsupported_parameter",
@@ -124,6 +180,10 @@ class SamplingFields(Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's: open an assistant turn after the messages, or continue the last (assistant)
+    # message as it stands, its text the start of the reply
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -162,6 +222,12 @@ class ChatCompletionRequest(SamplingFields):
             raise unsupported("modalities", 'other than ["text"] is not supported')
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "`top_logprobs` needs logprobs=true", "top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError(
+                400,
+                "`continue_final_message` needs add_generation_prompt=false",
+                "continue_final_message",
+            )
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -121,13 +121,11 @@ class Gateway:
     # --- endpoints ----------------------------------------------------------
 
     def models(self) -> dict:
-        model = {
-            "id": self.settings.model_name,
-            "object": "model",
-            "created": self.started,
-            "owned_by": "specsplit",
-        }
-        return {"object": "list", "data": [model]}
+        return {"object": "list", "data": [self.model(self.settings.model_name)]}
+
+    def model(self, name: str) -> dict:
+        self.check_model(name)
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "specsplit"}
 
     def health(self) -> JSONResponse:
         """200 when a target and a draft serve (or the draft is in-gateway or off); counts only."""
@@ -166,7 +164,7 @@ class Gateway:
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
         body.refuse_unsupported()
-        prompt = chat_prompt(self.tokenizer, body.messages)
+        prompt = chat_prompt(self.tokenizer, body)
         plan = self.plan(body, [prompt], request)
         return await self.respond(plan, self.format(body, plan), "chat", body.stream, request)
 
@@ -215,8 +213,10 @@ class Gateway:
         eos = self.router.eos_token_ids()
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
+        if body.ignore_eos:
+            eos = set()
         tenant = getattr(request.state, "tenant", "")
-        conversation = request.headers.get("x-session-id") or body.user
+        conversation = request.headers.get("x-session-id") or body.prompt_cache_key or body.user
         # a conversation is its key's own: another key naming it shares no worker session
         affinity = None if conversation is None else f"{tenant}/{conversation}"
         s = self.settings

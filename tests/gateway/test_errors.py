@@ -79,9 +79,45 @@ def test_bad_parameters_are_400_naming_the_parameter(client, kw, param):
 
 def test_zero_penalties_are_accepted(client):
     reply = client.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=2, presence_penalty=0, frequency_penalty=0.0
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=2,
+        presence_penalty=0,
+        frequency_penalty=0.0,
+        extra_body={"repetition_penalty": 1.0},
     )
     assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_identifying_fields_are_accepted(client):
+    """OpenAI's prompt_cache_key (here the affinity key, as `user`) and safety_identifier."""
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=2,
+        extra_body={"prompt_cache_key": "conversation-1", "safety_identifier": "user-hash"},
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b'{"model": 1}'])
+@pytest.mark.parametrize("key", ["nope", None])
+def test_a_request_without_a_valid_key_hears_401_before_its_body_is_judged(server, raw, key):
+    headers = {"content-type": "application/json"}
+    if key is not None:
+        headers["authorization"] = f"Bearer {key}"
+    response = httpx.post(server.url + "/v1/chat/completions", content=raw, headers=headers)
+    assert response.status_code == 401
+    assert error_of(response)["code"] == "invalid_api_key"
+
+
+def test_a_body_not_sent_as_json_names_the_content_type(server):
+    """curl's -d alone sends a form's Content-Type, which FastAPI does not read as JSON."""
+    body = json.dumps({"model": MODEL, "messages": CHAT})
+    headers = {"authorization": "Bearer key-1", "content-type": "application/x-www-form-urlencoded"}
+    response = httpx.post(server.url + "/v1/chat/completions", content=body, headers=headers)
+    assert response.status_code == 400
+    assert "Content-Type: application/json" in error_of(response)["message"]
 
 
 @pytest.mark.parametrize(
@@ -99,6 +135,30 @@ def test_zero_penalties_are_accepted(client):
                 "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
             },
             "messages[0].content[0]",
+        ),
+        ({"model": MODEL, "messages": [{"role": "user"}]}, "messages[0].content"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages[0].content[0].text",
+        ),
+        (
+            {"model": MODEL, "messages": [*CHAT, {"role": "assistant", "tool_calls": [{}]}]},
+            "messages[1].tool_calls",
+        ),
+        (
+            {"model": MODEL, "messages": [*CHAT, {"role": "assistant", "refusal": "no"}]},
+            "messages[1].refusal",
+        ),
+        ({"model": MODEL, "messages": CHAT, "repetition_penalty": 1.2}, "repetition_penalty"),
+        (
+            {"model": MODEL, "messages": [*CHAT, {"role": "assistant", "content": "hi"}]}
+            | {"continue_final_message": True},
+            "continue_final_message",
+        ),
+        (
+            {"model": MODEL, "messages": CHAT}
+            | {"continue_final_message": True, "add_generation_prompt": False},
+            "continue_final_message",
         ),
     ],
 )

@@ -47,7 +47,8 @@ BODIES = ["POST /v1/chat/completions", "POST /v1/completions"]
 # (operation, mode, examples): the request bodies get most of them
 RUNS = [
     *[(op, mode, 40) for op in BODIES for mode in (POSITIVE, NEGATIVE)],
-    *[(op, POSITIVE, 3) for op in ("GET /v1/models", "GET /health", "GET /metrics")],
+    *[(op, POSITIVE, 3) for op in ("GET /v1/models", "GET /v1/models/{model}")],
+    *[(op, POSITIVE, 3) for op in ("GET /health", "GET /metrics")],
 ]
 
 

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """The chat template rendered with the generation prompt, then tokenized as is."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def encode_chat(
+    tokenizer, messages: list[dict], generation_prompt: bool = True, continue_final: bool = False
+) -> list[int]:
+    """The chat template rendered, then tokenized as is: with the generation prompt (an
+    assistant turn opened), or with the last message left open to be continued."""
+    text = tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=generation_prompt,
+        continue_final_message=continue_final,
+        tokenize=False,
+    )
     return encode(tokenizer, text)
 
 

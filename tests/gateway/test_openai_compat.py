@@ -1,0 +1,132 @@
+"""What OpenAI SDK and vLLM users send besides the basics, through the real `openai` client:
+nulls for the defaults, replies sent back as the SDK dumps them, a model by its id, and
+vLLM's `ignore_eos` and `continue_final_message`."""
+
+from __future__ import annotations
+
+import shutil
+
+import openai
+import pytest
+import torch
+from openai import OpenAI
+from transformers import AutoModelForCausalLM
+
+from tests.gateway.helpers import MODEL, WORDS, live, target, word_tokenizer
+
+CHAT = [{"role": "user", "content": "hello world , the cat"}]
+PROMPT = "hello world , the cat"
+
+
+def sdk(gateway) -> OpenAI:
+    return OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_dir) -> OpenAI:
+    """The SDK against one target and the in-gateway n-gram draft."""
+    with live(tiny_dir, [target(tiny_dir)]) as gateway:
+        yield sdk(gateway)
+
+
+def chat(client: OpenAI, messages: list[dict], **kw):
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, **kw
+    )
+
+
+def test_nulls_stand_for_the_defaults(client):
+    """The SDK sends null for an argument given as None; OpenAI's API reads it as the default."""
+    reply = chat(client, CHAT, n=None, logprobs=None, extra_body={"speculation_stats": None})
+    assert len(reply.choices) == 1 and reply.choices[0].logprobs is None
+    assert reply.choices[0].message.content == chat(client, CHAT).choices[0].message.content
+    completion = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=None, n=None, stream=None
+    )
+    assert len(completion.choices) == 1
+    assert not completion.choices[0].text.startswith(PROMPT)
+
+
+def test_a_reply_goes_back_as_the_sdk_dumps_it(client):
+    first = chat(client, CHAT).choices[0].message
+    dumped = first.model_dump()
+    assert {"refusal", "tool_calls", "annotations", "audio", "function_call"} <= set(dumped)
+    follow = {"role": "user", "content": "one two"}
+    as_dumped = chat(client, [*CHAT, dumped, follow])
+    as_text = chat(client, [*CHAT, {"role": "assistant", "content": first.content}, follow])
+    assert as_dumped.usage.prompt_tokens == as_text.usage.prompt_tokens
+    assert as_dumped.choices[0].message.content == as_text.choices[0].message.content
+
+
+def test_text_parts_are_joined_by_newlines(client):
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]
+    by_parts = chat(client, [{"role": "user", "content": parts}])
+    by_text = chat(client, [{"role": "user", "content": "hello\nworld"}])
+    assert by_parts.usage.prompt_tokens == by_text.usage.prompt_tokens
+    assert by_parts.choices[0].message.content == by_text.choices[0].message.content
+
+
+def test_a_model_by_its_id(client):
+    model = client.models.retrieve(MODEL)
+    assert (model.id, model.object, model.owned_by) == (MODEL, "model", "specsplit")
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-17")
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_continue_final_message_continues_the_assistants_text(client):
+    """vLLM's assistant prefill: the reply goes on from the last message's own text."""
+    messages = [*CHAT, {"role": "assistant", "content": "one two"}]
+    prompt = word_tokenizer().apply_chat_template(
+        messages, continue_final_message=True, tokenize=False
+    )
+    assert prompt.rstrip().endswith("one two")
+    reply = chat(
+        client,
+        messages,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    completion = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    assert reply.usage.prompt_tokens == completion.usage.prompt_tokens
+    assert reply.choices[0].message.content == completion.choices[0].text
+    finished = chat(client, messages)  # without it the assistant's turn is closed, as before
+    assert finished.usage.prompt_tokens > reply.usage.prompt_tokens
+
+
+def greedy_words(model_dir, prompt: str, count: int) -> list[str]:
+    """transformers' greedy tokens, end tokens and all, as the word tokenizer spells them."""
+    tokenizer = word_tokenizer()
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for _ in range(count):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return tokenizer.convert_ids_to_tokens(ids[-count:])
+
+
+def test_ignore_eos_goes_on_with_the_targets_own_tokens(client, tiny_dir, tmp_path):
+    """vLLM's ignore_eos, through speculation and without it: the target's greedy tokens
+    past its end token, up to max_tokens; checked on a target whose end token is a word
+    its greedy text reaches early."""
+    words = greedy_words(tiny_dir, PROMPT, 12)
+    end = next(w for w in words[2:] if w in WORDS)
+    path = shutil.copytree(tiny_dir, tmp_path / "ends")
+    tokenizer = word_tokenizer()
+    tokenizer.eos_token = end
+    tokenizer.save_pretrained(path)
+    with live(path, [target(path)]) as gateway:
+        ends = sdk(gateway)
+        stopped = ends.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.usage.completion_tokens < 12
+        for served, method in [(ends, "auto"), (ends, "off"), (client, "auto")]:
+            past = served.completions.create(
+                model=MODEL,
+                prompt=PROMPT,
+                max_tokens=12,
+                temperature=0,
+                logprobs=0,
+                extra_body={"ignore_eos": True, "speculation": {"method": method}},
+            )
+            assert past.choices[0].finish_reason == "length"
+            assert past.choices[0].logprobs.tokens == words
