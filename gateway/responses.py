@@ -97,7 +97,14 @@ class Format:
         return {
             "tokens": [self.token_text(lp.token) for lp in delta.logprobs],
             "token_logprobs": [lp.logprob for lp in delta.logprobs],
-            "top_logprobs": [{self.token_text(t): p for t, p in lp.top} for lp in delta.logprobs],
+            # the chosen token's too, as OpenAI's: up to logprobs + 1 entries
+            "top_logprobs": [
+                {
+                    **{self.token_text(t): p for t, p in lp.top},
+                    self.token_text(lp.token): lp.logprob,
+                }
+                for lp in delta.logprobs
+            ],
             "text_offset": [base_offset + o for o in delta.offsets],
         }
 

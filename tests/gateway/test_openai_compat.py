@@ -130,3 +130,20 @@ def test_ignore_eos_goes_on_with_the_targets_own_tokens(client, tiny_dir, tmp_pa
             )
             assert past.choices[0].finish_reason == "length"
             assert past.choices[0].logprobs.tokens == words
+
+
+@pytest.mark.parametrize(("logprobs", "temperature"), [(0, 0), (1, 1.0)])
+def test_completion_top_logprobs_hold_the_chosen_token(client, logprobs, temperature):
+    """OpenAI's legacy completions: up to logprobs + 1 entries, the chosen token always."""
+    choice = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=temperature,
+        seed=3,
+        logprobs=logprobs,
+    ).choices[0]
+    lp = choice.logprobs
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == pytest.approx(logprob)
+        assert len(top) <= logprobs + 1
