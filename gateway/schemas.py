@@ -139,6 +139,7 @@ class SamplingFields(Strict):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)  # vLLM's; only 1 (none) is served
     ignore_eos: bool = False  # vLLM's: generate past the end-of-sequence token
+    stop_token_ids: list[NonNegInt] | None = None  # vLLM's: more tokens that end a choice
     speculation_stats: bool = False  # extra body: this request's speculation counters
     speculation: SpeculationRequest | None = None  # extra body: how this request speculates
     # extra body (vLLM's): cached prompt prefixes are shared only with the same salt

@@ -20,7 +20,7 @@ from starlette.background import BackgroundTask
 
 from gateway.admission import Admissions
 from gateway.control import control
-from gateway.errors import APIError
+from gateway.errors import APIError, bad_request
 from gateway.generation import GenerationRequest, Generator, Record
 from gateway.metrics import Metrics
 from gateway.pool import Pool, Router, split_addresses
@@ -215,6 +215,10 @@ class Gateway:
             eos.add(self.tokenizer.eos_token_id)
         if body.ignore_eos:
             eos = set()
+        for token in body.stop_token_ids or ():
+            if token >= len(self.tokenizer):
+                raise bad_request(f"`stop_token_ids`: {token} is not a token id", "stop_token_ids")
+            eos.add(token)
         tenant = getattr(request.state, "tenant", "")
         conversation = request.headers.get("x-session-id") or body.prompt_cache_key or body.user
         # a conversation is its key's own: another key naming it shares no worker session

@@ -132,6 +132,42 @@ def test_ignore_eos_goes_on_with_the_targets_own_tokens(client, tiny_dir, tmp_pa
             assert past.choices[0].logprobs.tokens == words
 
 
+def test_stop_token_ids_end_a_choice_on_the_token(client):
+    """vLLM's stop_token_ids: the choice ends with the first of them it generates, which
+    its text keeps (a word here; an end token has no text)."""
+    words = greedy_words_served(client, 12)
+    stop = next(w for w in words[2:] if w in WORDS)
+    token = word_tokenizer().convert_tokens_to_ids(stop)
+    for method in ("auto", "off"):
+        choice = client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            logprobs=0,
+            extra_body={"stop_token_ids": [token], "speculation": {"method": method}},
+        ).choices[0]
+        assert choice.finish_reason == "stop"
+        assert choice.logprobs.tokens == words[: words.index(stop) + 1]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, extra_body={"stop_token_ids": [len(word_tokenizer())]}
+        )
+    assert info.value.body["param"] == "stop_token_ids"
+
+
+def greedy_words_served(client, count: int) -> list[str]:
+    reply = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=count,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
+    return reply.choices[0].logprobs.tokens
+
+
 @pytest.mark.parametrize(("logprobs", "temperature"), [(0, 0), (1, 1.0)])
 def test_completion_top_logprobs_hold_the_chosen_token(client, logprobs, temperature):
     """OpenAI's legacy completions: up to logprobs + 1 entries, the chosen token always."""
