@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.adaptive import AdaptiveConfig, RatesByMatch
 from gateway.control import Control
@@ -58,9 +58,7 @@ class GenerationRequest:
         prompt = index // self.n
         params = self.params
         if params.seed is not None and index > 0:
-            params = SamplingParams(
-                params.temperature, params.top_p, params.top_k, params.seed + index
-            )
+            params = replace(params, seed=params.seed + index)
         return Plan(
             self.prompts[prompt],
             self.max_tokens[prompt],

@@ -93,7 +93,13 @@ def sampling_params(request: SamplingFields) -> SamplingParams:
     temperature = 1.0 if request.temperature is None else request.temperature
     top_k = request.top_k if request.top_k is not None and request.top_k > 0 else 0
     top_p = 1.0 if request.top_p is None else request.top_p
-    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=request.seed)
+    return SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=request.seed,
+        min_p=request.min_p or 0.0,
+    )
 
 
 def stop_strings(request: SamplingFields) -> list[str]:

@@ -126,6 +126,7 @@ class SamplingFields(Strict):
     temperature: float | None = Field(None, ge=0.0, le=2.0)  # None = 1.0, as OpenAI
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)  # extra body; 0 or -1 = off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # extra body (vLLM's); 0 = off
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1)

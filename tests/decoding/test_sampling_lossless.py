@@ -7,6 +7,7 @@ so the expected distribution is that engine's own, target only."""
 
 import asyncio
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -66,7 +67,7 @@ async def sampled_counts(
     counts = torch.zeros(VOCAB, VOCAB)
 
     async def one(seed: int) -> list[int]:
-        seeded = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
+        seeded = replace(params, seed=seed)
         return (await run(route, PROMPT, 3, tree, seeded)).token_ids
 
     async with pair(transport, target, draft, concurrent=True) as route:
@@ -89,6 +90,7 @@ def perturbed_draft_small():
 
 SAMPLED = SamplingParams(temperature=1.0)
 TRUNCATED = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
+MIN_P = SamplingParams(temperature=1.0, min_p=0.3)
 
 
 # over gRPC one case: 2,000 generations through real workers, 16 at a time
@@ -98,6 +100,7 @@ TRUNCATED = SamplingParams(temperature=0.7, top_k=4, top_p=0.9)
         ("inprocess", SAMPLED, TreeSpec(depth=2, branching=3, budget=8)),
         ("inprocess", TRUNCATED, TreeSpec(depth=2, branching=2)),
         ("grpc", SAMPLED, TreeSpec(depth=2, branching=3, budget=8)),
+        ("grpc", MIN_P, TreeSpec(depth=2, branching=3, budget=8)),
     ],
 )
 async def test_sampled_pairs_follow_the_target_distribution(transport, params, tree):

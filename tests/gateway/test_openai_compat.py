@@ -183,3 +183,18 @@ def test_completion_top_logprobs_hold_the_chosen_token(client, logprobs, tempera
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
         assert top[token] == pytest.approx(logprob)
         assert len(top) <= logprobs + 1
+
+
+def test_min_p_one_keeps_only_the_likeliest_token(client):
+    """vLLM's min_p through HTTP and the workers: at 1 a sampled request keeps only the
+    likeliest token at each step, so its text is the greedy text."""
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0)
+    for method in ("auto", "off"):
+        sampled = client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=10,
+            temperature=1.0,
+            extra_body={"min_p": 1.0, "speculation": {"method": method}},
+        )
+        assert sampled.choices[0].text == greedy.choices[0].text

@@ -13,12 +13,16 @@ from workers.speculation.sampling import first_argmax, tempered, top_p_mask
 
 
 def reference_probs(logits: list[float], params: SamplingParams) -> list[float]:
-    """Temperature, top-k, top-p, renormalise: the textbook definition, one row."""
+    """Temperature, min-p, top-k, top-p, renormalise: the textbook definition, one row."""
     v = len(logits)
     if params.temperature == 0:
         best = max(range(v), key=lambda i: (logits[i], -i))
         return [1.0 if i == best else 0.0 for i in range(v)]
     x = [value / params.temperature for value in logits]
+    if params.min_p:
+        weights = [math.exp(value - max(x)) for value in x]
+        share = [w / max(weights) for w in weights]  # p / p_max
+        x = [value if s >= params.min_p else -math.inf for value, s in zip(x, share, strict=True)]
     if params.top_k:
         kth = sorted(x, reverse=True)[min(params.top_k, v) - 1]
         x = [value if value >= kth else -math.inf for value in x]
@@ -47,6 +51,10 @@ PARAMS = [
     SamplingParams(temperature=0.8, top_p=0.5),
     SamplingParams(temperature=1.3, top_p=0.9, top_k=6),
     SamplingParams(temperature=1.0, top_p=1e-6),  # keeps exactly the argmax
+    SamplingParams(temperature=1.0, min_p=0.1),
+    SamplingParams(temperature=0.7, min_p=0.3, top_k=5, top_p=0.8),
+    SamplingParams(temperature=1.0, min_p=1.0),  # the likeliest (and its ties) only
+    SamplingParams(min_p=0.5),  # greedy: min-p changes nothing
 ]
 
 
@@ -87,6 +95,9 @@ def test_target_probs_rejects_bad_logits():
         ({"top_k": -1}, "top_k"),
         ({"top_k": 2.5}, "top_k"),
         ({"seed": "7"}, "seed"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": float("nan")}, "min_p"),
     ],
 )
 def test_sampling_params_validation(kwargs, field):

@@ -44,7 +44,7 @@ def test_trees_round_trip(tree):
 
 
 def test_verify_call_round_trips():
-    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3)
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=3, min_p=0.05)
     call = VerifyCall("s", 4, [1, 2], sampled_tree(), params, num_logprobs=2, cache_salt="k\n")
     back = convert.verify_call(convert.verify_request(call))
     assert (back.session_id, back.base_len, back.tokens) == ("s", 4, [1, 2])

@@ -97,6 +97,8 @@ def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         msg.top_p = params.top_p
     if params.seed is not None:
         msg.seed = params.seed
+    if params.min_p:
+        msg.min_p = params.min_p
     return msg
 
 
@@ -106,6 +108,7 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
+        min_p=msg.min_p,
     )
 
 

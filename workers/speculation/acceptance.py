@@ -21,7 +21,7 @@ target's argmax (greedy) or a draw from p (sampling).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -67,7 +67,7 @@ def judging_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(N+1, V) the distribution a lossy rule judges by: the request's, at temperature 1 when
     the request is greedy."""
     temperature = params.temperature if not params.greedy else 1.0
-    return target_probs(logits, SamplingParams(temperature, params.top_p, params.top_k))
+    return target_probs(logits, replace(params, temperature=temperature, seed=None))
 
 
 def likely_enough(

@@ -21,6 +21,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     seed: int | None = None  # seed for the request's generator; None = nondeterministic
+    min_p: float = 0.0  # keep tokens at least this share of the likeliest's probability; 0 = off
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:  # also rejects NaN
@@ -31,6 +32,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, type(None))):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if not 0 <= self.min_p <= 1:  # also rejects NaN
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -84,9 +87,10 @@ def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Next-token probabilities (..., V) from logits (..., V), in float32.
 
-    Order: temperature, then top-k (ties with the k-th logit are kept), then
-    top-p (the smallest set of most likely tokens whose mass reaches top_p,
-    always at least one), then renormalise. Temperature 0 gives a one-hot on
+    Order (vLLM's): temperature, then min-p (tokens whose probability is below
+    min_p times the likeliest's), then top-k (ties with the k-th logit are kept),
+    then top-p over what is left (the smallest set of most likely tokens whose
+    mass reaches top_p, always at least one), then renormalise. Temperature 0 gives a one-hot on
     the argmax (the first on ties). Logits may contain -inf (masked tokens) but
     no NaN or +inf, and every row needs at least one finite entry.
     """
@@ -105,7 +109,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         top = first_argmax(x).unsqueeze(-1).to(x.device)  # (..., 1)
         return torch.zeros_like(x).scatter_(-1, top, 1.0)  # (..., V)
 
-    x = tempered(x, params.temperature)  # (..., V)
+    x = tempered(x, params.temperature)  # (..., V), the likeliest at 0
+    if params.min_p > 0:  # p < min_p * p_max  <=>  x - x_max < log(min_p)
+        x = x.masked_fill(x < math.log(params.min_p), float("-inf"))  # (..., V)
     v = x.shape[-1]
     if 0 < params.top_k < v:
         kth = x.topk(params.top_k, dim=-1).values[..., -1:]  # (..., 1)
