@@ -104,6 +104,18 @@ def greedy_words(model_dir, prompt: str, count: int) -> list[str]:
     return tokenizer.convert_ids_to_tokens(ids[-count:])
 
 
+def greedy_choice(client: OpenAI, method: str = "auto", **extra):
+    """PROMPT's greedy completion of 12 tokens with its logprobs, `extra` in the body."""
+    return client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        logprobs=0,
+        extra_body={**extra, "speculation": {"method": method}},
+    ).choices[0]
+
+
 def test_ignore_eos_goes_on_with_the_targets_own_tokens(client, tiny_dir, tmp_path):
     """vLLM's ignore_eos, through speculation and without it: the target's greedy tokens
     past its end token, up to max_tokens; checked on a target whose end token is a word
@@ -120,33 +132,19 @@ def test_ignore_eos_goes_on_with_the_targets_own_tokens(client, tiny_dir, tmp_pa
         assert stopped.choices[0].finish_reason == "stop"
         assert stopped.usage.completion_tokens < 12
         for served, method in [(ends, "auto"), (ends, "off"), (client, "auto")]:
-            past = served.completions.create(
-                model=MODEL,
-                prompt=PROMPT,
-                max_tokens=12,
-                temperature=0,
-                logprobs=0,
-                extra_body={"ignore_eos": True, "speculation": {"method": method}},
-            )
-            assert past.choices[0].finish_reason == "length"
-            assert past.choices[0].logprobs.tokens == words
+            past = greedy_choice(served, method, ignore_eos=True)
+            assert past.finish_reason == "length"
+            assert past.logprobs.tokens == words
 
 
 def test_stop_token_ids_end_a_choice_on_the_token(client):
     """vLLM's stop_token_ids: the choice ends with the first of them it generates, which
     its text keeps (a word here; an end token has no text)."""
-    words = greedy_words_served(client, 12)
+    words = greedy_choice(client, ignore_eos=True).logprobs.tokens
     stop = next(w for w in words[2:] if w in WORDS)
     token = word_tokenizer().convert_tokens_to_ids(stop)
     for method in ("auto", "off"):
-        choice = client.completions.create(
-            model=MODEL,
-            prompt=PROMPT,
-            max_tokens=12,
-            temperature=0,
-            logprobs=0,
-            extra_body={"stop_token_ids": [token], "speculation": {"method": method}},
-        ).choices[0]
+        choice = greedy_choice(client, method, stop_token_ids=[token])
         assert choice.finish_reason == "stop"
         assert choice.logprobs.tokens == words[: words.index(stop) + 1]
     with pytest.raises(openai.BadRequestError) as info:
@@ -154,18 +152,6 @@ def test_stop_token_ids_end_a_choice_on_the_token(client):
             model=MODEL, prompt=PROMPT, extra_body={"stop_token_ids": [len(word_tokenizer())]}
         )
     assert info.value.body["param"] == "stop_token_ids"
-
-
-def greedy_words_served(client, count: int) -> list[str]:
-    reply = client.completions.create(
-        model=MODEL,
-        prompt=PROMPT,
-        max_tokens=count,
-        temperature=0,
-        logprobs=0,
-        extra_body={"ignore_eos": True},
-    )
-    return reply.choices[0].logprobs.tokens
 
 
 @pytest.mark.parametrize(("logprobs", "temperature"), [(0, 0), (1, 1.0)])
