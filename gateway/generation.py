@@ -48,6 +48,8 @@ class GenerationRequest:
     tenant: str | None = ""  # a hash of the request's API key ('' = none): its suffix cache;
     # None: this request neither reads nor feeds it (a seeded sample)
     cache_salt: str = ""  # its workers share KV prefixes only with the same salt ('' = all)
+    include_stop: bool = False  # the text keeps the stop string that ended it
+    skip_special_tokens: bool = True  # special tokens (an end token, a template's) make no text
 
     @property
     def choices(self) -> int:
@@ -145,7 +147,9 @@ class Generator:
             request.control.method,
             self.suffixes,
         )
-        text = TextStream(self.tokenizer, request.stop)
+        text = TextStream(
+            self.tokenizer, request.stop, request.include_stop, request.skip_special_tokens
+        )
         origins = Provenance() if request.provenance else None
         last_round: float | None = None
         try:

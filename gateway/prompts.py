@@ -164,4 +164,6 @@ def generation_request(
         provenance=bool(request.stream_options and request.stream_options.include_provenance),
         tenant=tenant,
         cache_salt=cache_salt,
+        include_stop=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens,
     )

@@ -135,10 +135,11 @@ class StopStrings:
     def __bool__(self) -> bool:
         return bool(self.stops)
 
-    def find(self, text: str, start: int) -> int | None:
-        """Index of the earliest stop string in text that starts at or after `start`."""
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
+    def find(self, text: str, start: int) -> tuple[int, int] | None:
+        """(start, end) of the earliest stop string in text that starts at or after `start`
+        (the longest of those that start there)."""
+        hits = [(i, i + len(s)) for s in self.stops if (i := text.find(s, start)) >= 0]
+        return min(hits, key=lambda hit: (hit[0], -hit[1]), default=None)
 
     def holdback(self, text: str) -> int:
         """Length of the longest suffix of text that is a proper prefix of a stop string."""
@@ -172,9 +173,16 @@ class TextStream:
     one that spans two rounds is found as well as one inside a round.
     """
 
-    def __init__(self, tokenizer, stops: list[str]):
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+    def __init__(
+        self,
+        tokenizer,
+        stops: list[str],
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stops = StopStrings(stops)
+        self.include_stop = include_stop  # the text ends with the stop string found, not before
         self.text = ""  # decoded so far (cut at the stop string once found)
         self.released = 0  # text[:released] went out
         self.tokens: list[int] = []  # generated tokens (up to the one completing a stop)
@@ -194,8 +202,9 @@ class TextStream:
             if added:  # this token, and any that produced no text before it, end here
                 self.text += added
                 self.ends += [len(self.text)] * (len(self.tokens) - len(self.ends))
-            cut = self.stops.find(self.text, self.released) if added and self.stops else None
-            if cut is not None:
+            hit = self.stops.find(self.text, self.released) if added and self.stops else None
+            if hit is not None:
+                cut = hit[1] if self.include_stop else hit[0]
                 self.text, self.stopped = self.text[:cut], True
                 return self.release(len(self.text), final=True)
         return self.release(len(self.text) - self.stops.holdback(self.text))

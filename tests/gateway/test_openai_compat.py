@@ -184,3 +184,36 @@ def test_min_p_one_keeps_only_the_likeliest_token(client):
             extra_body={"min_p": 1.0, "speculation": {"method": method}},
         )
         assert sampled.choices[0].text == greedy.choices[0].text
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(client):
+    """vLLM's include_stop_str_in_output, streamed and not."""
+    words = greedy_choice(client, ignore_eos=True).logprobs.tokens
+    stop = next(w for w in words[2:] if w in WORDS)
+    kept = []
+    for include in (False, True):
+        body = {
+            "stop": [stop],
+            "temperature": 0,
+            "extra_body": {"include_stop_str_in_output": include},
+        }
+        reply = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, **body)
+        stream = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=12, stream=True, **body
+        )
+        streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        assert reply.choices[0].text == streamed
+        assert reply.choices[0].finish_reason == "stop"
+        kept.append(reply.choices[0].text)
+    assert kept[1] == kept[0] + stop
+    assert stop not in kept[0]
+
+
+def test_skip_special_tokens_false_keeps_their_text(client):
+    """vLLM's skip_special_tokens: false, the end token's own text is in the text."""
+    words = greedy_choice(client, ignore_eos=True).logprobs.tokens
+    assert "</s>" in words  # the greedy text reaches the end token within 12 tokens
+    skipped = greedy_choice(client, ignore_eos=True)
+    kept = greedy_choice(client, ignore_eos=True, skip_special_tokens=False)
+    assert "</s>" not in skipped.text and "</s>" in kept.text
+    assert kept.text.replace("</s>", "").split() == skipped.text.split()

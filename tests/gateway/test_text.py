@@ -126,9 +126,10 @@ def test_holdback_is_the_longest_suffix_that_could_start_a_stop(text, stops, hel
 
 def test_find_returns_the_earliest_stop():
     stops = StopStrings(["two", "one"])
-    assert stops.find("zero one two", 0) == 5
-    assert stops.find("zero one two", 6) == 9
+    assert stops.find("zero one two", 0) == (5, 8)
+    assert stops.find("zero one two", 6) == (9, 12)
     assert stops.find("zero", 0) is None
+    assert StopStrings(["on", "one"]).find("zero one", 0) == (5, 8)  # the longest there
 
 
 def test_stop_string_spanning_two_rounds_never_leaks():
