@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -144,7 +144,9 @@ def validation_error(error: RequestValidationError, json_sent: bool = True) -> A
     return bad_request(f"`{param}`: {message}" if param else message, param, "invalid_value")
 
 
-def install_error_handlers(app: FastAPI, authenticate: Callable[[Request], None]) -> None:
+def install_error_handlers(
+    app: FastAPI, authenticate: Callable[[Request], Awaitable[None]]
+) -> None:
     """`authenticate` raises the APIError a request's credentials earn, if any: it is
     answered before what is wrong with the request's body."""
 
@@ -155,7 +157,7 @@ def install_error_handlers(app: FastAPI, authenticate: Callable[[Request], None]
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         try:
-            authenticate(request)
+            await authenticate(request)
         except APIError as refused:
             return refused.response()
         content_type = request.headers.get("content-type", "")  # none is read as JSON

@@ -30,7 +30,8 @@ def gateway(request: Request) -> Gateway:
     return request.app.state.gateway
 
 
-Bearer = Annotated[HTTPAuthorizationCredentials | None, Security(HTTPBearer(auto_error=False))]
+BEARER = HTTPBearer(auto_error=False)
+Bearer = Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)]
 
 
 def require_api_key(request: Request, credentials: Bearer) -> None:
@@ -47,16 +48,12 @@ def require_api_key(request: Request, credentials: Bearer) -> None:
         )
 
 
-def authenticate_v1(request: Request) -> None:
+async def authenticate_v1(request: Request) -> None:
     """The key check for a /v1 request whose body failed validation (which FastAPI does
     before the dependencies): a request without a valid key hears 401 first, as OpenAI's API
     answers."""
-    if not request.url.path.startswith(v1.prefix + "/"):
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    bearer = scheme.lower() == "bearer" and token.strip()
-    credentials = HTTPAuthorizationCredentials(scheme=scheme, credentials=token) if bearer else None
-    require_api_key(request, credentials)
+    if request.url.path.startswith(v1.prefix + "/"):
+        require_api_key(request, await BEARER(request))
 
 
 class PoolCounts(BaseModel):

@@ -154,16 +154,16 @@ class SamplingFields(Strict):
     service_tier: str | None = None
 
     def refuse_unsupported(self) -> None:
-        for name, none in (
+        for name, neutral in (
             ("presence_penalty", 0),
             ("frequency_penalty", 0),
             ("repetition_penalty", 1),
         ):
-            if getattr(self, name) not in (None, none):
+            if getattr(self, name) not in (None, neutral):
                 raise APIError(
                     400,
-                    f"`{name}` must be {none}: penalties change the target distribution, and this "
-                    "server decodes losslessly",
+                    f"`{name}` must be {neutral}: penalties change the target distribution, "
+                    "and this server decodes losslessly",
                     name,
                     "unsupported_parameter",
                 )

@@ -193,6 +193,18 @@ class Gateway:
                 "model_not_found",
             )
 
+    def stop_ids(self, body) -> frozenset[int]:
+        """The tokens that end a choice: the model's end tokens (none with ignore_eos) and the
+        request's stop_token_ids."""
+        ids = set(body.stop_token_ids or ())
+        if any(token >= len(self.tokenizer) for token in ids):
+            raise bad_request("`stop_token_ids` holds an id past the vocabulary", "stop_token_ids")
+        if not body.ignore_eos:
+            ids |= self.router.eos_token_ids()
+            if getattr(self.tokenizer, "eos_token_id", None) is not None:
+                ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
     def format(self, body, plan: GenerationRequest, echo: list[str] | None = None) -> Format:
         """How a chat (no echo) or completion response is written."""
         return Format(
@@ -210,15 +222,6 @@ class Gateway:
 
     def plan(self, body, prompts: list[list[int]], request: Request) -> GenerationRequest:
         context = self.router.context_length() or getattr(self.tokenizer, "model_max_length", 2048)
-        eos = self.router.eos_token_ids()
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        if body.ignore_eos:
-            eos = set()
-        for token in body.stop_token_ids or ():
-            if token >= len(self.tokenizer):
-                raise bad_request(f"`stop_token_ids`: {token} is not a token id", "stop_token_ids")
-            eos.add(token)
         tenant = getattr(request.state, "tenant", "")
         conversation = request.headers.get("x-session-id") or body.prompt_cache_key or body.user
         # a conversation is its key's own: another key naming it shares no worker session
@@ -231,7 +234,7 @@ class Gateway:
         if body.seed is not None and body.temperature != 0:
             tenant = None  # a seeded sample drafts from itself only: same seed, same text
         return generation_request(
-            body, prompts, s, context, frozenset(eos), affinity, spec, tenant, salt
+            body, prompts, s, context, self.stop_ids(body), affinity, spec, tenant, salt
         )
 
     async def respond(
