@@ -188,14 +188,14 @@ def test_the_gateway_learns_what_a_round_spends_besides_the_targets_forward(tiny
 
 
 def test_decode_steps_own_lookups_give_speculation_offs_text(tiny_dir):
-    """On a target where no draft of the gateway's pays (40 ms a token fed) and whose
+    """On a target where no draft of the gateway's pays (60 ms a token fed) and whose
     forwards have 8 cheap rows, a greedy session's steps verify up to 3 tokens the target
     looks up itself: the text is speculation off's, the provenance names each accepted
     one, and the stats count them as drafts; a seeded sampled request, and speculation
     off, take none (an unseeded one may: tests/decoding/test_sampling_lossless.py)."""
     copy = "one two three four five six seven eight nine ten " * 3
     messages = [{"role": "user", "content": copy}]
-    slow = slow_target(tiny_dir, "t0", 0.0, token_delay=0.040, lookup_rows=8)
+    slow = slow_target(tiny_dir, "t0", 0.0, token_delay=0.060, lookup_rows=8)
     with live(tiny_dir, [slow], decode_steps=4, decode_lookup=3, suffix_cache_tokens=0) as gateway:
         client = OpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0)
         chunks = streamed(client, messages, 64, STATS)
