@@ -48,7 +48,7 @@ class GenerationRequest:
     tenant: str | None = ""  # a hash of the request's API key ('' = none): its suffix cache;
     # None: this request neither reads nor feeds it (a seeded sample)
     cache_salt: str = ""  # its workers share KV prefixes only with the same salt ('' = all)
-    include_stop: bool = False  # the text keeps the stop string that ended it
+    include_stop: bool = False  # the text keeps the stop string or token that ended it
     skip_special_tokens: bool = True  # special tokens (an end token, a template's) make no text
 
     @property
@@ -166,7 +166,8 @@ class Generator:
                     last_round = now
                     if origins is not None:
                         origins.add(round_, speculation.drafter)
-                    piece = text.push(round_.tokens, round_.logprobs)
+                    ended_on_token = round_.finish_reason == "stop" and not request.include_stop
+                    piece = text.push(round_.tokens, round_.logprobs, ended_on_token)
                     finish = "stop" if text.stopped else round_.finish_reason
                     if finish is not None:
                         piece = joined(piece, text.finish())

@@ -141,7 +141,7 @@ class SamplingFields(Strict):
     repetition_penalty: float | None = Field(None, gt=0.0)  # vLLM's; only 1 (none) is served
     ignore_eos: bool = False  # vLLM's: generate past the end-of-sequence token
     stop_token_ids: list[NonNegInt] | None = None  # vLLM's: more tokens that end a choice
-    include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string
+    include_stop_str_in_output: bool = False  # vLLM's: the text keeps what stopped it
     skip_special_tokens: bool = True  # vLLM's: false, special tokens' text is in the text
     speculation_stats: bool = False  # extra body: this request's speculation counters
     speculation: SpeculationRequest | None = None  # extra body: how this request speculates

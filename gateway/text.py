@@ -192,12 +192,20 @@ class TextStream:
         self.spanned = 0  # tokens[:spanned] went out in spans with all of their text
         self.stopped = False  # a stop string was found
 
-    def push(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> Piece:
-        """Adds a round's tokens; returns what can be released now."""
+    def push(
+        self,
+        tokens: list[int],
+        logprobs: list[TokenLogprob] | None = None,
+        last_textless: bool = False,
+    ) -> Piece:
+        """Adds a round's tokens; returns what can be released now. `last_textless`: the last
+        token is the stop token that ended the choice, which adds no text (vLLM's rule)."""
         for i, token in enumerate(tokens):
             self.tokens.append(token)
             if logprobs is not None:
                 self.logprobs.append(logprobs[i])
+            if last_textless and i == len(tokens) - 1:
+                break
             added = self.detokenizer.push(token)
             if added:  # this token, and any that produced no text before it, end here
                 self.text += added

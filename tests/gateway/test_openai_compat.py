@@ -138,8 +138,8 @@ def test_ignore_eos_goes_on_with_the_targets_own_tokens(client, tiny_dir, tmp_pa
 
 
 def test_stop_token_ids_end_a_choice_on_the_token(client):
-    """vLLM's stop_token_ids: the choice ends with the first of them it generates, which
-    its text keeps (a word here; an end token has no text)."""
+    """vLLM's stop_token_ids: the choice ends with the first of them it generates, which its
+    logprobs list and its text leaves out, unless include_stop_str_in_output (vLLM's rule)."""
     words = greedy_choice(client, ignore_eos=True).logprobs.tokens
     stop = next(w for w in words[2:] if w in WORDS)
     token = word_tokenizer().convert_tokens_to_ids(stop)
@@ -147,6 +147,11 @@ def test_stop_token_ids_end_a_choice_on_the_token(client):
         choice = greedy_choice(client, method, stop_token_ids=[token])
         assert choice.finish_reason == "stop"
         assert choice.logprobs.tokens == words[: words.index(stop) + 1]
+        assert choice.text.split() == words[: words.index(stop)]
+        kept = greedy_choice(
+            client, method, stop_token_ids=[token], include_stop_str_in_output=True
+        )
+        assert kept.text == f"{choice.text} {stop}"
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(
             model=MODEL, prompt=PROMPT, extra_body={"stop_token_ids": [len(word_tokenizer())]}
@@ -210,10 +215,15 @@ def test_include_stop_str_in_output_keeps_the_stop_string(client):
 
 
 def test_skip_special_tokens_false_keeps_their_text(client):
-    """vLLM's skip_special_tokens: false, the end token's own text is in the text."""
+    """vLLM's skip_special_tokens: false, a special token's text is in the text, but for the
+    end token that ended the choice (unless include_stop_str_in_output)."""
     words = greedy_choice(client, ignore_eos=True).logprobs.tokens
     assert "</s>" in words  # the greedy text reaches the end token within 12 tokens
     skipped = greedy_choice(client, ignore_eos=True)
     kept = greedy_choice(client, ignore_eos=True, skip_special_tokens=False)
     assert "</s>" not in skipped.text and "</s>" in kept.text
     assert kept.text.replace("</s>", "").split() == skipped.text.split()
+    ended = greedy_choice(client, skip_special_tokens=False)
+    assert ended.finish_reason == "stop" and ended.text.split() == words[: words.index("</s>")]
+    shown = greedy_choice(client, skip_special_tokens=False, include_stop_str_in_output=True)
+    assert shown.text == f"{ended.text} </s>"
